@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine: `make demo` and `make test` (see README).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+UNAME := $(shell uname -s)
+EXTRAS := $(if $(filter Linux,$(UNAME)),cpu$(comma)test,test)
+comma := ,
+DEMO_OUT ?= demo-out
+
+.PHONY: install demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m mtpconvert.demo --out $(DEMO_OUT)
+
+test: install
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

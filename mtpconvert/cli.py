@@ -1,0 +1,161 @@
+"""Command line: thin wrappers over plan / execute / verify."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+from . import __version__
+from .errors import ConvertError, LayoutError
+from .plan import ConvertOptions, build_plan
+from .quant import QuantOptions
+
+app = typer.Typer(
+    help="Convert Qwen3.5/3.6 checkpoints to MLX with the Multi-Token-Prediction head kept.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out_console = Console()
+
+
+class MtpPolicy(str, Enum):
+    keep = "keep"
+    match = "match"
+    drop = "drop"
+
+
+class DType(str, Enum):
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+class QMode(str, Enum):
+    affine = "affine"
+    mxfp4 = "mxfp4"
+    nvfp4 = "nvfp4"
+    mxfp8 = "mxfp8"
+
+
+def _fail(e: ConvertError) -> None:
+    console.print(f"[red]error:[/red] {e}", highlight=False)
+    raise typer.Exit(e.exit_code)
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM unwinds like Ctrl-C, so temp folders and locks are cleaned up."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+@app.callback(invoke_without_command=True)
+def main(version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
+    if version:
+        out_console.print(__version__)
+        raise typer.Exit(0)
+
+
+@app.command()
+def convert(
+    source: Path = typer.Argument(..., help="Local checkpoint folder (raw Hugging Face or MLX)."),
+    out: Optional[Path] = typer.Argument(None, help="Output folder (written atomically)."),
+    bits: Optional[int] = typer.Option(None, "--bits", "-q", help="Quantize the backbone to this many bits."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantization group size (mode default)."),
+    q_mode: QMode = typer.Option(QMode.affine, "--q-mode", help="Quantization mode."),
+    dtype: Optional[DType] = typer.Option(None, "--dtype", help="Float dtype (default: the source's)."),
+    mtp: MtpPolicy = typer.Option(MtpPolicy.keep, "--mtp", help="MTP head: keep at --dtype, match the backbone, or drop."),
+    mtp_bits: Optional[int] = typer.Option(None, "--mtp-bits", help="Quantize the MTP head to N bits (affine)."),
+    keep_vision: bool = typer.Option(False, "--keep-vision", help="Keep the vision tower (mlx-vlm naming)."),
+    max_shard_gb: float = typer.Option(5.0, "--max-shard-size", help="Largest output shard, GB."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip verifying the output before it is committed."),
+):
+    """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
+    from .execute import execute
+    from .render import plan_summary, plan_table
+    from .source import open_checkpoint
+
+    _terminate_as_interrupt()
+    try:
+        opts = ConvertOptions(
+            dtype=dtype.value if dtype else None,
+            quant=QuantOptions(bits, group_size, q_mode.value, mtp.value, mtp_bits),
+            keep_vision=keep_vision,
+            max_shard_bytes=int(max_shard_gb * (1 << 30)),
+        )
+        ckpt = open_checkpoint(source)
+        plan = build_plan(ckpt, opts)
+        if dry_run:
+            if as_json:
+                out_console.print_json(json.dumps(plan.to_json()))
+            else:
+                plan_table(plan, out_console)
+            return
+        if out is None:
+            raise typer.BadParameter("OUT is required unless --dry-run")
+        plan_summary(plan, console)
+        total = sum(it.out_bytes for it in plan.items)
+        with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("converting", total=total)
+            result = execute(
+                plan, ckpt, out, overwrite=overwrite,
+                progress=lambda item, i: bar.advance(task, item.out_bytes),
+                check=None if no_verify else _check_output,
+            )
+    except ConvertError as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/red]: nothing was written to the output folder")
+        raise typer.Exit(130)
+    console.print(f"[green]wrote[/green] {result.out} ({len(result.shards)} shard(s), {result.tensors} tensors)")
+
+
+def _check_output(folder: Path) -> None:
+    from .verify import verify
+
+    report = verify(folder)
+    if not report.ok:
+        first = next(f for f in report.findings if f.severity == "error")
+        raise LayoutError(f"output failed verification: {first.code}: {first.message}", key=first.key,
+                          hint="this is a bug in mtpconvert; please report it with --dry-run --json output")
+
+
+@app.command("verify")
+def verify_cmd(
+    path: Path = typer.Argument(..., help="Folder to check (raw HF, mtpconvert output, or another MLX conversion)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+):
+    """Check a folder from its headers: layout, MTP, experts, norm shift, quantization, index."""
+    from .render import report_table
+    from .verify import verify
+
+    report = verify(path)
+    if as_json:
+        out_console.print_json(json.dumps(report.to_json()))
+    else:
+        report_table(report, out_console)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def run() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,346 @@
+"""Check any Qwen3.5/3.6 folder (raw HF, ours, or another MLX conversion) from its headers.
+
+Only headers and the small norm vectors are read, so a 397B folder takes seconds.
+Every problem becomes a ``Finding`` with a stable ``code`` (for CI and tests); the
+folder passes when no finding is an error.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from .config import ModelSpec, model_spec, resolve_tie, text_config
+from .errors import ConvertError, LayoutError
+from .naming import MLX, QUANT_AUX, canonical, source_name
+from .plan import count_mtp_layers, detect_raw, detect_style
+from .rawexport import is_shifted_norm
+from .safetensors_io import TensorReader, mlx_dtype_name
+from .schema import CONV, FC, LM, MTP, QUANTIZABLE, SWITCH, Slot, expected_slots
+from .source import Checkpoint, open_checkpoint
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+# Classification of a norm vector by its mean: raw zero-centred weights sit near 0,
+# MLX weights near 1; a second +1 lands near 2.
+CENTRED_MAX, SHIFTED_MAX = 0.5, 1.5
+
+
+@dataclass
+class Finding:
+    code: str
+    severity: str
+    message: str
+    key: Optional[str] = None
+    file: Optional[str] = None
+
+
+@dataclass
+class Report:
+    path: str
+    layout: str = "unknown"  # raw-vlm | raw-text | mlx
+    model_type: str = "unknown"
+    moe: bool = False
+    vlm: bool = False
+    tensors: int = 0
+    shards: int = 0
+    mtp_layers_config: int = 0
+    mtp_layers_found: int = 0
+    mtp_complete: bool = False
+    experts: str = "n/a"  # stacked | per-expert | fused | mixed | n/a
+    norms: Dict[str, str] = field(default_factory=dict)  # group -> zero-centred | shifted | double-shifted
+    norm_means: Dict[str, float] = field(default_factory=dict)
+    quantization: Dict[str, Dict[str, int]] = field(default_factory=dict)  # group -> spec -> count
+    dtypes: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    findings: List[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == ERROR for f in self.findings)
+
+    def add(self, code: str, severity: str, message: str, key: Optional[str] = None, file=None) -> None:
+        self.findings.append(Finding(code, severity, message, key, str(file) if file else None))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["ok"] = self.ok
+        return d
+
+
+def verify(path: Path) -> Report:
+    report = Report(path=str(path))
+    try:
+        ckpt = open_checkpoint(Path(path))
+    except ConvertError as e:
+        report.add(e.code, ERROR, e.detail, e.key, e.file)
+        return report
+    report.tensors, report.shards = len(ckpt.tensors), len(ckpt.shards)
+    try:
+        spec = model_spec(ckpt.config)
+    except ConvertError as e:
+        report.add(e.code, ERROR, e.detail, e.key, ckpt.root / "config.json")
+        return report
+    report.model_type, report.moe, report.vlm = spec.model_type, spec.is_moe, spec.nested
+    report.mtp_layers_config = spec.mtp_layers
+    try:
+        report.layout = detect_style(ckpt.tensors)
+        raw = detect_raw(ckpt)
+    except ConvertError as e:
+        report.add("layout", ERROR, e.detail, e.key, e.file)
+        return report
+    _check_tensors(ckpt, spec, raw, report)
+    _check_norms(ckpt, raw, report)
+    _check_config(ckpt, spec, report)
+    return report
+
+
+def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report) -> None:
+    aux: Dict[str, Dict[str, str]] = defaultdict(dict)  # module -> {scales|biases: key}
+    targets: Dict[str, List] = defaultdict(list)
+    expert_styles = Counter()
+    for key in ckpt.tensors:
+        if m := QUANT_AUX.search(key):
+            aux[key[: m.start()]][m.group(1)] = key
+            continue
+        try:
+            mapped = canonical(key)
+        except LayoutError as e:
+            report.add("tensor-unexpected", ERROR, e.detail, key, ckpt.tensors[key].file)
+            continue
+        if mapped.target is None:
+            continue
+        targets[mapped.target].append(mapped)
+        if mapped.target.endswith(("switch_mlp.gate_proj.weight", "switch_mlp.up_proj.weight",
+                                   "switch_mlp.down_proj.weight")):
+            style = {"expert": "per-expert", "gate_up": "fused"}.get(mapped.part, "stacked")
+            if mapped.part == "whole" and ".experts." in key:
+                style = "fused"
+            group = MTP if mapped.target.startswith(LM + "mtp.") else "backbone"
+            expert_styles[(group, style)] += 1
+            if mapped.part == "gate_up":
+                targets[mapped.target.replace(".gate_proj.", ".up_proj.")].append(mapped)
+    if expert_styles:
+        styles = sorted({s for _, s in expert_styles})
+        report.experts = styles[0] if len(styles) == 1 else "mixed"
+
+    n_mtp, any_mtp = count_mtp_layers(targets)
+    report.mtp_layers_found = n_mtp
+    if spec.mtp_layers and not any_mtp:
+        report.add("mtp-missing", ERROR,
+                   f"config.json says mtp_num_hidden_layers={spec.mtp_layers} but the folder has no mtp.* "
+                   "weights (stock mlx_lm.convert drops them); re-convert with mtpconvert, or set "
+                   "mtp_num_hidden_layers to 0")
+    elif n_mtp != spec.mtp_layers and any_mtp:
+        report.add("mtp-count", ERROR,
+                   f"folder has {n_mtp} MTP layer(s), config.json says {spec.mtp_layers}")
+
+    slots = expected_slots(spec, max(n_mtp, spec.mtp_layers if any_mtp else 0))
+    style = report.layout
+    missing = []
+    for name, slot in slots.items():
+        contribs = targets.get(name, [])
+        if not contribs:
+            missing.append(slot)
+            continue
+        if slot.kind == SWITCH:
+            _check_experts(ckpt, slot, contribs, spec, report)
+            continue
+        _check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
+    for slot in missing:
+        code = "mtp-incomplete" if slot.group == MTP and any_mtp else "tensor-missing"
+        if slot.group == MTP and not any_mtp:
+            continue  # reported once as mtp-missing
+        report.add(code, ERROR, f"missing {slot.name}", source_name(slot.name, style))
+    report.mtp_complete = any_mtp and not any(s.group == MTP for s in missing) and n_mtp == spec.mtp_layers
+
+    tie = spec.tie_word_embeddings
+    for name, contribs in targets.items():
+        if name in slots:
+            continue
+        if tie and name == LM + "lm_head.weight":
+            continue
+        for c in contribs:
+            report.add("tensor-unexpected", ERROR, "tensor has no slot in this model under its config",
+                       c.source, ckpt.tensors[c.source].file)
+    _check_quantization(ckpt, slots, aux, report)
+
+    dtypes: Dict[str, Counter] = defaultdict(Counter)
+    for key, info in ckpt.tensors.items():
+        if QUANT_AUX.search(key):
+            continue
+        group = "vision" if "visual" in key or key.startswith("vision_tower") else (
+            MTP if key.startswith(("mtp.", LM + "mtp.")) else "backbone")
+        dtypes[group][mlx_dtype_name(info.dtype)] += 1
+    report.dtypes = {g: dict(c) for g, c in dtypes.items()}
+
+
+def _check_experts(ckpt, slot: Slot, contribs, spec: ModelSpec, report: Report) -> None:
+    per_expert = [c for c in contribs if c.part == "expert"]
+    if per_expert:
+        if ckpt_style_is_mlx(contribs[0].source):
+            code = "mtp-moe-unstacked" if slot.group == MTP else "moe-unstacked"
+            report.add(code, ERROR,
+                       f"experts of {slot.module} are stored per expert; MLX runtimes need stacked "
+                       "switch_mlp weights", per_expert[0].source)
+        have = {c.index for c in per_expert}
+        for e in range(spec.num_experts):
+            if e not in have:
+                key = re.sub(r"\.experts\.\d+\.", f".experts.{e}.", per_expert[0].source)
+                report.add("expert-missing", ERROR,
+                           f"expert {e} of {spec.num_experts} is missing for {slot.module}", key)
+                break
+        return
+    c = contribs[0]
+    info = ckpt.tensors[c.source]
+    want = slot.shape if c.part != "gate_up" else (slot.shape[0], 2 * slot.shape[1], slot.shape[2])
+    got = info.shape
+    if info.dtype == "U32":  # quantized stack: compare all but the packed axis
+        if got[:-1] != want[:-1]:
+            report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match {list(want)} (packed)", c.source)
+        return
+    if got != want:
+        report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match the config {list(want)}", c.source)
+
+
+def ckpt_style_is_mlx(key: str) -> bool:
+    return key.startswith(LM)
+
+
+def _check_shape(ckpt, slot: Slot, key: str, raw: bool, aux, report: Report) -> None:
+    info = ckpt.tensors[key]
+    want = slot.shape
+    if slot.kind == CONV and raw:
+        want = (slot.shape[0], 1, slot.shape[1])
+    if aux and "scales" in aux:
+        if info.shape[:-1] != want[:-1]:
+            report.add("shape-mismatch", ERROR, f"packed shape {list(info.shape)} does not match {list(want)}", key)
+        return
+    if info.shape != want:
+        report.add("shape-mismatch", ERROR, f"shape {list(info.shape)} does not match the config {list(want)}",
+                   key, info.file)
+
+
+def infer_quant(ckpt, slot: Slot, aux: Dict[str, str]) -> Optional[dict]:
+    """(bits, group_size, mode) recovered from packed shapes, like mlx-lm's loader."""
+    weight_key = slot.module + ".weight"
+    if weight_key not in ckpt.tensors or "scales" not in aux:
+        return None
+    in_dim = slot.shape[-1]
+    scales = ckpt.tensors[aux["scales"]]
+    packed = ckpt.tensors[weight_key].shape[-1]
+    if scales.shape[-1] == 0 or in_dim % scales.shape[-1]:
+        return {"group_size": -1, "bits": -1, "mode": "invalid"}
+    group, bits = in_dim // scales.shape[-1], packed * 32 // in_dim
+    if scales.dtype != "U8":
+        return {"group_size": group, "bits": bits, "mode": "affine"}
+    mode = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}.get((bits, group), "invalid")
+    return {"group_size": group, "bits": bits, "mode": mode}
+
+
+def _check_quantization(ckpt: Checkpoint, slots: Dict[str, Slot], aux, report: Report) -> None:
+    block = ckpt.config.get("quantization")
+    if block is None:
+        block = text_config(ckpt.config).get("quantization")
+    summary: Dict[str, Counter] = defaultdict(Counter)
+    by_module = {s.module: s for s in slots.values()}
+    for module, parts in aux.items():
+        if module not in by_module:
+            report.add("tensor-unexpected", ERROR, "quantization scales for an unknown module", parts.get("scales"))
+    for slot in slots.values():
+        if slot.kind not in QUANTIZABLE:
+            continue
+        have = infer_quant(ckpt, slot, aux.get(slot.module, {}))
+        summary[slot.group]["unquantized" if have is None else f"{have['bits']}b/g{have['group_size']}/{have['mode']}"] += 1
+        if slot.kind == FC and have is not None:
+            report.add("mtp-fc-quantized", ERROR,
+                       f"mtp.fc is quantized ({have['bits']} bits); it mixes embedding and hidden state and "
+                       "must stay unquantized", slot.module + ".weight")
+        if have is not None and have["mode"] == "invalid":
+            report.add("quant-invalid", ERROR, "scales/weight shapes match no quantization mode", slot.module + ".weight")
+            continue
+        if block is None:
+            if have is not None:
+                report.add("quant-config-mismatch", ERROR,
+                           "weights are quantized but config.json has no quantization block", slot.module + ".weight")
+            continue
+        declared = block.get(slot.module, None)
+        if declared is None:
+            if have is None:
+                continue  # unlisted and unquantized: mlx-lm's loader also infers this from the missing scales
+            declared = {k: block.get(k) for k in ("group_size", "bits", "mode")}
+            declared["mode"] = declared.get("mode") or "affine"
+        if declared is False:
+            if have is not None:
+                report.add("quant-config-mismatch", ERROR, "config says unquantized but the weights carry scales",
+                           slot.module + ".weight")
+            continue
+        if have is None:
+            report.add("quant-config-mismatch", ERROR,
+                       f"config says {declared.get('bits')}-bit but the weight has no scales", slot.module + ".weight")
+            continue
+        want = (declared.get("bits"), declared.get("group_size"), declared.get("mode") or "affine")
+        if want != (have["bits"], have["group_size"], have["mode"]):
+            report.add("quant-config-mismatch", ERROR,
+                       f"config says {want[0]}b/g{want[1]}/{want[2]} but the weights are "
+                       f"{have['bits']}b/g{have['group_size']}/{have['mode']}", slot.module + ".weight")
+    report.quantization = {g: dict(c) for g, c in summary.items()}
+
+
+def _norm_keys(ckpt: Checkpoint) -> Dict[str, List[str]]:
+    groups: Dict[str, List[str]] = defaultdict(list)
+    for key in ckpt.tensors:
+        if QUANT_AUX.search(key):
+            continue
+        try:
+            mapped = canonical(key)
+        except LayoutError:
+            continue
+        if mapped.target and is_shifted_norm(mapped.target):
+            groups[MTP if mapped.target.startswith(LM + "mtp.") else "backbone"].append(key)
+    return groups
+
+
+def classify_norm(mean: float) -> str:
+    if abs(mean) < CENTRED_MAX:
+        return "zero-centred"
+    if mean < SHIFTED_MAX:
+        return "shifted"
+    return "double-shifted"
+
+
+def _check_norms(ckpt: Checkpoint, raw: bool, report: Report) -> None:
+    """Read the norm vectors (a few KB each) and compare their centre with the layout."""
+    with TensorReader() as reader:
+        for group, keys in _norm_keys(ckpt).items():
+            means = [float(mx.mean(reader.read(ckpt.tensors[k]).astype(mx.float32))) for k in keys]
+            centre = statistics.median(means)
+            state = classify_norm(centre)
+            report.norms[group] = state
+            report.norm_means[group] = round(centre, 4)
+            if raw and state != "zero-centred":
+                report.add("norm-double-shift", ERROR,
+                           f"{group} norms are raw layout but centred near {centre:.2f}: they were already "
+                           "shifted, and converting would add 1 a second time")
+            elif not raw and state == "zero-centred":
+                report.add("norm-unshifted", ERROR,
+                           f"{group} norms are MLX layout but centred near {centre:.2f}: the +1 shift is missing")
+            elif not raw and state == "double-shifted":
+                report.add("norm-double-shift", ERROR,
+                           f"{group} norms are centred near {centre:.2f}: +1 was applied twice")
+
+
+def _check_config(ckpt: Checkpoint, spec: ModelSpec, report: Report) -> None:
+    tc = text_config(ckpt.config)
+    if "tie_word_embeddings" not in tc and ckpt.config.get("tie_word_embeddings"):
+        report.add("tie-top-level", WARNING,
+                   "tie_word_embeddings=true only at the top level; mlx-lm reads text_config and would expect "
+                   "an lm_head (mtpconvert writes it into text_config)")
+    if report.layout == MLX and ckpt.index_map is not None:
+        fmt = ckpt.index_metadata.get("format")
+        if fmt not in (None, "mlx"):
+            report.add("index-format", WARNING, f"index metadata format is {fmt!r}, expected 'mlx'")

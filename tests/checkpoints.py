@@ -1,0 +1,199 @@
+"""Tiny raw checkpoints made with transformers' own Qwen3.5 classes (+ raw MTP weights).
+
+Every parameter is randomised (norms get zero-centred noise) so a missing or doubled
++1 shift, a wrong expert order or a dropped tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import mlx.core as mx
+import numpy as np
+import torch
+
+from mtpconvert.config import model_spec
+from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
+from mtpconvert.rawexport import to_raw
+from mtpconvert.schema import CONV, GATED_NORM, NORM, A_LOG, mtp_slots
+
+VOCAB = 512
+
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    rms_norm_eps=1e-6,
+)
+DENSE = dict(intermediate_size=128)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=8,
+              spatial_merge_size=2, temporal_patch_size=2)
+
+
+@dataclass
+class Built:
+    path: Path
+    model: torch.nn.Module
+    raw: Dict[str, np.ndarray]  # every raw tensor written, by key (float32 copies)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 1))
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:  # zero-centred norms, dt_bias
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / max(p.shape[-1], 1) ** 0.5)
+
+
+def _random_mtp(config: dict, seed: int, layers: int) -> Dict[str, mx.array]:
+    """MTP tensors in MLX naming/convention (norms around 1, conv irrelevant)."""
+    spec = model_spec(config)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, slot in mtp_slots(spec, layers).items():
+        if slot.kind == NORM:
+            w = 1 + 0.1 * rng.standard_normal(slot.shape)
+        else:
+            w = rng.standard_normal(slot.shape) / max(slot.shape[-1], 1) ** 0.5
+        out[name] = mx.array(w.astype(np.float32))
+    return out
+
+
+def _save_shards(folder: Path, tensors: Dict[str, np.ndarray], shards: int, dtype: str, shard_style: str) -> None:
+    from safetensors.torch import save_file
+
+    keys = sorted(tensors)
+    chunks = [keys[i::shards] for i in range(shards)] if shards > 1 else [keys]
+    weight_map = {}
+    for i, chunk in enumerate(chunks):
+        if shards == 1 and shard_style == "single":
+            name = "model.safetensors"
+        elif shard_style == "qwen35":
+            name = f"model.safetensors-{i + 1:05d}-of-{shards:05d}.safetensors"
+        else:
+            name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        td = {}
+        for k in chunk:
+            t = torch.from_numpy(np.ascontiguousarray(tensors[k]))
+            keep_f32 = k.endswith("A_log") or (dtype == "bfloat16" and k.endswith("linear_attn.norm.weight"))
+            td[k] = t if keep_f32 else t.to(getattr(torch, dtype))
+            weight_map[k] = name
+        save_file(td, str(folder / name), metadata={"format": "pt"})
+    if shards > 1 or shard_style != "single":
+        index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def build(
+    folder: Path,
+    *,
+    moe: bool = False,
+    wrapper: str = "vlm",  # vlm | text
+    experts: str = "per_expert",  # per_expert | fused | published35
+    mtp_layers: int = 1,
+    shards: int = 1,
+    shard_style: str = "single",  # single | qwen35 | hf
+    tie: bool = False,
+    tie_top_level_only: bool = False,
+    dtype: str = "float32",
+    seed: int = 0,
+    config_mtp: Optional[int] = None,
+    tokenizer: bool = True,
+) -> Built:
+    """Write a raw checkpoint to ``folder`` and return it with the torch reference model."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
+        Qwen3_5TextConfig,
+    )
+
+    torch.manual_seed(seed)
+    text = dict(TEXT, **(MOE if moe else DENSE), tie_word_embeddings=tie)
+    if wrapper == "vlm":
+        cls, cfg_cls = (Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeConfig) if moe else (
+            Qwen3_5ForConditionalGeneration, Qwen3_5Config)
+        cfg = cfg_cls(text_config=text, vision_config=VISION, tie_word_embeddings=tie)
+    else:
+        cls, cfg_cls = (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig) if moe else (Qwen3_5ForCausalLM, Qwen3_5TextConfig)
+        cfg = cfg_cls(**text)
+    model = cls(cfg).eval()
+    _randomise(model, seed)
+    if tie:
+        model.tie_weights()
+
+    tmp = folder.parent / (folder.name + ".hfsave")
+    model.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    from safetensors.numpy import load_file
+
+    raw = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        raw.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
+    for f in tmp.iterdir():
+        f.unlink()
+    tmp.rmdir()
+
+    tc = config.get("text_config", config)
+    tc["mtp_num_hidden_layers"] = mtp_layers if config_mtp is None else config_mtp
+    if tie_top_level_only and "text_config" in config:
+        tc.pop("tie_word_embeddings", None)
+        config["tie_word_embeddings"] = tie
+
+    # Re-express the backbone's experts in the requested layout and add the MTP head.
+    if moe and experts != "per_expert":
+        raw = _refuse_experts(raw, experts)
+    if mtp_layers:
+        mtp = to_raw(_random_mtp(config, seed + 7, mtp_layers), experts=experts, text_only=wrapper == "text")
+        raw.update({k: np.array(v) for k, v in mtp.items()})
+
+    folder.mkdir(parents=True, exist_ok=True)
+    _save_shards(folder, raw, shards, dtype, shard_style)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    if tokenizer:
+        write_tokenizer(folder, MarkovLanguage().words, VOCAB)
+    return Built(folder, model, raw)
+
+
+def _refuse_experts(raw: Dict[str, np.ndarray], experts: str) -> Dict[str, np.ndarray]:
+    """Fuse the backbone's per-expert tensors (transformers writes per expert)."""
+    import re
+
+    pat = re.compile(r"^(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: Dict[str, Dict[str, Dict[int, np.ndarray]]] = {}
+    out = {}
+    for k, v in raw.items():
+        m = pat.match(k)
+        if m is None or k.startswith("mtp."):
+            out[k] = v
+            continue
+        groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
+    for mlp, projs in groups.items():
+        stack = {p: np.stack([e[i] for i in sorted(e)]) for p, e in projs.items()}
+        out[f"{mlp}.experts.gate_up_proj"] = np.concatenate([stack["gate_proj"], stack["up_proj"]], axis=1)
+        out[f"{mlp}.experts.down_proj"] = stack["down_proj"]
+    return out

@@ -1,0 +1,209 @@
+"""The plan, from headers only: what each output tensor is and the rule that makes it."""
+
+import json
+import re
+
+import pytest
+
+from mtpconvert.errors import ConfigError, LayoutError, OptionsError
+from mtpconvert.plan import ConvertOptions, build_plan
+from mtpconvert.quant import QuantOptions
+from mtpconvert.source import open_checkpoint
+
+
+def plan_for(built, **kw):
+    quant = kw.pop("quant", {})
+    return build_plan(open_checkpoint(built.path), ConvertOptions(quant=QuantOptions(**quant), **kw))
+
+
+def by_name(plan):
+    return {it.name: it for it in plan.items}
+
+
+SHIFTED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm)\.weight$|"
+                     r"model\.norm\.weight$|mtp\.(norm|pre_fc_norm_hidden|pre_fc_norm_embedding)\.weight$")
+
+
+def test_shift_only_on_zero_centred_norms(raw_checkpoints):
+    plan = plan_for(raw_checkpoints("moe-published35"))
+    assert plan.raw
+    for it in plan.items:
+        assert ("norm+1" in it.steps) == bool(SHIFTED.search(it.name)), it.name
+    items = by_name(plan)
+    # the gated norm inside linear attention, A_log and dt_bias are never shifted
+    for name in ("linear_attn.norm.weight", "linear_attn.A_log", "linear_attn.dt_bias"):
+        it = items[f"language_model.model.layers.0.{name}"]
+        assert "norm+1" not in it.steps
+    assert items["language_model.model.layers.0.linear_attn.A_log"].dtype == "float32"
+    assert "conv_axis" in items["language_model.model.layers.0.linear_attn.conv1d.weight"].steps
+    # every MTP norm (head and layer) is shifted
+    mtp_norms = [n for n, it in items.items() if ".mtp." in n and "norm+1" in it.steps]
+    assert len(mtp_norms) == 3 + 4
+
+
+def test_experts_stacked_from_every_layout(raw_checkpoints):
+    for layout, gather in [("moe-per-expert", "stack"), ("moe-fused", "gate_half"), ("moe-published35", "gate_half")]:
+        items = by_name(plan_for(raw_checkpoints(layout)))
+        gate = items["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"]
+        assert gate.gather == gather and gate.slot.shape == (4, 64, 64)
+        up = items["language_model.model.layers.0.mlp.switch_mlp.up_proj.weight"]
+        assert up.gather == ("stack" if gather == "stack" else "up_half")
+        mtp_gate = items["language_model.mtp.layers.0.mlp.switch_mlp.gate_proj.weight"]
+        if layout == "moe-published35":  # fused backbone, per-expert MTP
+            assert mtp_gate.gather == "stack"
+            assert [s.key for s in mtp_gate.sources] == [
+                f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight" for e in range(4)]
+
+
+def test_quantization_rules(raw_checkpoints):
+    built = raw_checkpoints("moe-published35")
+    for policy, quant in [("keep", dict(bits=4)), ("match", dict(bits=4, mtp="match")), ("bits", dict(bits=4, mtp_bits=8))]:
+        plan = plan_for(built, quant=quant)
+        items = by_name(plan)
+        q = plan.config["quantization"]
+        assert (q["bits"], q["group_size"], q["mode"]) == (4, 64, "affine")
+        router = "language_model.model.layers.0.mlp.gate"
+        assert items[router + ".weight"].quant.bits == 8 and q[router]["bits"] == 8
+        assert q["language_model.model.layers.0.mlp.shared_expert_gate"]["bits"] == 8
+        assert items["language_model.mtp.fc.weight"].quant is None
+        assert q["language_model.mtp.fc"] is False
+        mtp_proj = items["language_model.mtp.layers.0.self_attn.q_proj.weight"]
+        if policy == "keep":
+            assert mtp_proj.quant is None and q["language_model.mtp.layers.0.self_attn.q_proj"] is False
+        elif policy == "match":
+            assert mtp_proj.quant.bits == 4 and "language_model.mtp.layers.0.self_attn.q_proj" not in q
+        else:
+            assert mtp_proj.quant.bits == 8 and q["language_model.mtp.layers.0.self_attn.q_proj"]["bits"] == 8
+        assert plan.config["quantization_config"] == q
+
+
+def test_config_out_is_honest(raw_checkpoints):
+    plan = plan_for(raw_checkpoints("dense-tie-top-level"), quant=dict(bits=4))
+    tc = plan.config["text_config"]
+    assert tc["tie_word_embeddings"] is True  # moved where mlx-lm reads it
+    assert tc["mtp_num_hidden_layers"] == 1
+    assert "vision_config" not in plan.config
+    assert not any(it.name.endswith("lm_head.weight") for it in plan.items)
+    dropped = build_plan(open_checkpoint(raw_checkpoints("dense-vlm").path),
+                         ConvertOptions(quant=QuantOptions(mtp="drop")))
+    assert dropped.config["text_config"]["mtp_num_hidden_layers"] == 0
+    assert not any(".mtp." in it.name for it in dropped.items)
+    text = plan_for(raw_checkpoints("dense-text"))
+    assert text.config["model_type"] == "qwen3_5" and text.style == "raw-text"
+
+
+def test_plan_orders_by_source_shard_and_shards_output(raw_checkpoints):
+    built = raw_checkpoints("dense-sharded-tied")
+    ckpt = open_checkpoint(built.path)
+    assert len(ckpt.shards) == 3 and ckpt.shards[0].startswith("model.safetensors-00001-of-00003")
+    plan = build_plan(ckpt, ConvertOptions(max_shard_bytes=64 << 10))
+    last = [max(ckpt.shards.index(s.file) for s in it.sources) for it in plan.items]
+    assert last == sorted(last)
+    assert len(plan.shards) > 1 and all(re.match(r"model-\d{5}-of-\d{5}\.safetensors", s) for s in plan.shards)
+
+
+def test_missing_mtp_under_config_claim(raw_checkpoints, tmp_path):
+    from checkpoints import build
+
+    built = build(tmp_path / "nomtp", mtp_layers=0, config_mtp=1, tokenizer=False)
+    with pytest.raises(LayoutError, match="promises mtp_num_hidden_layers=1") as e:
+        plan_for(built)
+    assert "--mtp drop" in str(e.value)
+    assert plan_for(built, quant=dict(mtp="drop")).mtp_layers == 0
+
+
+def test_mtp_weights_without_config(tmp_path):
+    from checkpoints import build
+
+    built = build(tmp_path / "cfg0", mtp_layers=1, config_mtp=0, tokenizer=False)
+    with pytest.raises(LayoutError, match="1 MTP layer.*mtp_num_hidden_layers=0"):
+        plan_for(built)
+
+
+def _drop_key(folder, pattern):
+    from safetensors.numpy import load_file, save_file
+
+    for f in folder.glob("*.safetensors"):
+        t = load_file(str(f))
+        kept = {k: v for k, v in t.items() if not re.search(pattern, k)}
+        if len(kept) != len(t):
+            save_file(kept, str(f))
+    idx = folder / "model.safetensors.index.json"
+    if idx.exists():
+        d = json.loads(idx.read_text())
+        d["weight_map"] = {k: v for k, v in d["weight_map"].items() if not re.search(pattern, k)}
+        idx.write_text(json.dumps(d))
+
+
+def test_missing_expert_names_first_missing_key(tmp_path):
+    from checkpoints import build
+
+    built = build(tmp_path / "m", moe=True, tokenizer=False)
+    _drop_key(built.path, r"^mtp\.layers\.0\.mlp\.experts\.[12]\.up_proj")
+    with pytest.raises(LayoutError, match="missing expert 1") as e:
+        plan_for(built)
+    assert e.value.key == "mtp.layers.0.mlp.experts.1.up_proj.weight"
+
+
+def test_unexpected_and_bad_shape(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    import numpy as np
+    from checkpoints import build
+
+    built = build(tmp_path / "u", tokenizer=False)
+    f = built.path / "model.safetensors"
+    t = load_file(str(f))
+    t["model.language_model.layers.0.mlp.extra.weight"] = np.zeros((2, 2), np.float32)
+    save_file(t, str(f))
+    with pytest.raises(LayoutError, match="unexpected tensor") as e:
+        plan_for(built)
+    assert e.value.key == "model.language_model.layers.0.mlp.extra.weight"
+    del t["model.language_model.layers.0.mlp.extra.weight"]
+    t["mtp.fc.weight"] = np.zeros((64, 64), np.float32)
+    save_file(t, str(f))
+    with pytest.raises(LayoutError, match=r"shape \[64, 64\].*expected \[64, 128\]"):
+        plan_for(built)
+
+
+def test_already_converted_folder_is_not_shifted_again(raw_checkpoints, tmp_path):
+    from mtpconvert.execute import execute
+
+    built = raw_checkpoints("dense-vlm")
+    ckpt = open_checkpoint(built.path)
+    execute(build_plan(ckpt, ConvertOptions(dtype="float32")), ckpt, tmp_path / "once")
+    again = build_plan(open_checkpoint(tmp_path / "once"), ConvertOptions(dtype="float32"))
+    assert not again.raw and again.style == "mlx"
+    assert not any("norm+1" in it.steps or "conv_axis" in it.steps for it in again.items)
+    execute(again, open_checkpoint(tmp_path / "once"), tmp_path / "twice")
+    from mtpconvert.safetensors_io import read_all
+    import mlx.core as mx
+
+    a = {}
+    for f in sorted((tmp_path / "once").glob("model-*.safetensors")):
+        a.update(read_all(f))
+    b = {}
+    for f in sorted((tmp_path / "twice").glob("model-*.safetensors")):
+        b.update(read_all(f))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
+
+
+def test_option_errors(raw_checkpoints):
+    built = raw_checkpoints("dense-vlm")
+    with pytest.raises(OptionsError):
+        plan_for(built, quant=dict(bits=7))
+    with pytest.raises(OptionsError):
+        plan_for(built, quant=dict(bits=4, mode="mxfp4", group_size=64))
+    with pytest.raises(OptionsError):
+        plan_for(built, quant=dict(mtp="match"))
+    with pytest.raises(OptionsError):
+        plan_for(built, dtype="int8")
+    assert plan_for(built, quant=dict(bits=4, mode="mxfp4")).config["quantization"]["group_size"] == 32
+
+
+def test_unsupported_model_type(tmp_path):
+    from mtpconvert.config import model_spec
+
+    with pytest.raises(ConfigError, match="qwen3_next"):
+        model_spec({"model_type": "qwen3_next"})
+    with pytest.raises(ConfigError, match="unknown model_type"):
+        model_spec({"model_type": "llama"})
