@@ -153,6 +153,37 @@ def verify_cmd(
     raise typer.Exit(0 if report.ok else 1)
 
 
+class Hidden(str, Enum):
+    post = "post-norm"
+    pre = "pre-norm"
+
+
+@app.command()
+def smoke(
+    path: Path = typer.Argument(..., help="Converted MLX folder with an MTP head."),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
+    max_tokens: int = typer.Option(48, "--max-tokens", help="Greedy tokens generated per prompt."),
+    min_acceptance: float = typer.Option(0.30, "--min-acceptance", help="Fail below this draft acceptance."),
+    hidden: Hidden = typer.Option(Hidden.post, "--mtp-hidden", help="Backbone state fed to the head."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Greedy MTP draft acceptance on a few prompts; non-zero exit when the head is absent or broken."""
+    from .runtime.smoke import smoke as run_smoke
+
+    try:
+        result = run_smoke(path, prompt, max_tokens, hidden.value, min_acceptance)
+    except ConvertError as e:
+        _fail(e)
+    if as_json:
+        out_console.print_json(json.dumps(result.to_json()))
+    else:
+        t = result.total
+        status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
+        out_console.print(f"MTP draft acceptance ({hidden.value}): {t.accepted}/{t.proposed} = {t.rate:.1%} "
+                          f"(floor {min_acceptance:.0%}) {status}")
+    raise typer.Exit(0 if result.ok else 1)
+
+
 def run() -> None:
     app()
 

@@ -1,0 +1,85 @@
+"""Load a converted folder: stock mlx-lm backbone plus our MTP head.
+
+The backbone comes from ``mlx_lm.utils.load_model`` unchanged (it drops ``mtp.*``);
+the head is built from mlx-lm's layers, quantized exactly as config.json says, and
+filled from the ``language_model.mtp.*`` tensors.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import infer_quant_config, load_model
+
+from ..errors import LayoutError
+from .mtp import MTPHead
+
+PREFIX = "language_model.mtp."
+
+
+@dataclass
+class MTPModel:
+    model: nn.Module  # stock mlx-lm Model (qwen3_5 / qwen3_5_moe)
+    head: MTPHead
+    config: dict
+
+    @property
+    def lm(self):
+        return self.model.language_model
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.lm.model.embed_tokens(tokens)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.lm.args.tie_word_embeddings:
+            return self.lm.model.embed_tokens.as_linear(hidden)
+        return self.lm.lm_head(hidden)
+
+
+def _mtp_weights(path: Path) -> Dict[str, mx.array]:
+    weights = {}
+    for f in sorted(glob.glob(str(path / "model*.safetensors"))):
+        for k, v in mx.load(f).items():
+            if k.startswith(PREFIX):
+                weights[k[len(PREFIX):]] = v
+    return weights
+
+
+def load(path: Path, lazy: bool = False) -> MTPModel:
+    path = Path(path)
+    model, config = load_model(path, lazy=lazy)
+    tc = config.get("text_config", config)
+    n = int(tc.get("mtp_num_hidden_layers", 0) or 0)
+    weights = _mtp_weights(path)
+    if n == 0 or not weights:
+        raise LayoutError(
+            "no MTP head: " + ("config says mtp_num_hidden_layers=0" if n == 0 else "no language_model.mtp.* tensors"),
+            file=path,
+            hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
+        )
+    head = MTPHead(model.language_model.args, n)
+    quant: Optional[dict] = config.get("quantization")
+    if quant:
+        def predicate(p, m):
+            entry = quant.get(PREFIX + p)
+            if entry is not None:
+                return entry
+            if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
+                return False
+            return infer_quant_config(p, m, weights)
+
+        nn.quantize(head, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"),
+                    class_predicate=predicate)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise LayoutError(f"MTP weights do not fit the MTP head: {e}", file=path) from e
+    if not lazy:
+        mx.eval(head.parameters())
+    head.eval()
+    return MTPModel(model, head, config)

@@ -1,0 +1,55 @@
+"""The Qwen3.5 Multi-Token-Prediction head, built from mlx-lm's own layers.
+
+h' = fc(concat[pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h_t)])
+h' = decoder_layer(h', own KV cache)          (a full-attention Qwen3.5 layer)
+logits(t+2) = lm_head(norm(h'))               (lm_head shared with the backbone)
+
+With several MTP layers, draft step k uses layer k mod n (vLLM's convention).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+
+class MTPHead(nn.Module):
+    def __init__(self, args: TextModelArgs, num_layers: int = 1):
+        super().__init__()
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
+        # layer_idx = interval - 1 makes mlx-lm build a full-attention layer
+        self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(H, eps=eps)
+
+    def make_cache(self) -> List[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(
+        self,
+        hidden: mx.array,
+        next_embeddings: mx.array,
+        cache: Optional[List[KVCache]] = None,
+        step: int = 0,
+    ) -> mx.array:
+        """hidden: backbone states h_t [B, L, H]; next_embeddings: embed(t+1) [B, L, H].
+
+        Returns the post-norm MTP state (feed lm_head for logits of t+2, or chain it
+        as the hidden input of the next draft step).
+        """
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(next_embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        h = self.fc(x)
+        idx = step % len(self.layers)
+        c = cache[idx] if cache is not None else None
+        mask = create_attention_mask(h, c)
+        h = self.layers[idx](h, mask=mask, cache=c)
+        return self.norm(h)
