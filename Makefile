@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)
-EXTRAS := $(if $(filter Linux,$(UNAME)),cpu$(comma)test,test)
 comma := ,
+EXTRAS := $(if $(filter Linux,$(UNAME)),cpu$(comma)test,test)
 DEMO_OUT ?= demo-out
 
 .PHONY: install demo test clean
