@@ -59,3 +59,21 @@ def test_smoke_cli_fails_without_mtp(tmp_path):
     out = convert(tmp_path, "dropped", mtp="drop")
     result = CliRunner().invoke(app, ["smoke", str(out)])
     assert result.exit_code != 0 and "no MTP head" in result.output
+
+
+def test_moe_fixture_and_wrong_expert_order(tmp_path):
+    # mlx's CPU gather_mm is float32-only, so the MoE runs here use quantized experts
+    # (gather_qmm); bf16 unquantized MoE is exercised on Apple silicon / CUDA.
+    out = convert(tmp_path, "moe", variant="moe", bits=4, group_size=32, mtp="match")
+    assert verify(out).ok and rate(out) >= FLOOR
+
+    def reverse_experts(plan):  # per-expert MTP stacks built in the wrong order
+        for it in plan.items:
+            if it.gather == "stack":
+                it.sources = tuple(reversed(it.sources))
+
+    q = dict(bits=8, group_size=32, mtp="match")
+    bad = convert(tmp_path, "moe-rev", variant="moe", mutate=reverse_experts, **q)
+    good = convert(tmp_path, "moe-ok", variant="moe", **q)
+    print("moe acceptance", rate(good), "reversed experts", rate(bad))
+    assert rate(bad) < rate(good)
