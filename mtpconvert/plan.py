@@ -8,6 +8,7 @@ executor does nothing the plan does not name.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from .config import ModelSpec, model_spec, text_config
 from .errors import ConfigError, LayoutError, OptionsError
 from .naming import MLX, QUANT_AUX, RAW_TEXT, RAW_VLM, Mapped, canonical, key_style, source_name
 from .quant import QuantOptions, QuantSpec, decide, quantization_block
-from .safetensors_io import TensorSpec, mlx_dtype_name
+from .safetensors_io import TensorSpec, dtype_itemsize
 from .schema import A_LOG, BACKBONE, CONV, LM, MTP, NORM, SWITCH, VISION, Slot, expected_slots
 from .source import Checkpoint
 
@@ -80,10 +81,6 @@ class PlanItem:
 
     @property
     def in_bytes(self) -> int:
-        import math
-
-        from .safetensors_io import dtype_itemsize
-
         return sum(math.prod(s.shape) * dtype_itemsize(s.dtype) for s in self.sources)
 
 
@@ -217,7 +214,7 @@ def _map_all(ckpt: Checkpoint) -> List[Mapped]:
     return mapped
 
 
-def _gather_switch(ckpt, slot: Slot, contribs: List[Mapped], spec: ModelSpec, style: str):
+def _gather_switch(ckpt, slot: Slot, contribs: List[Mapped], spec: ModelSpec):
     """Sources for one stacked-expert slot: per-expert, fused, or an MLX stack."""
     E = spec.num_experts
     per_expert = [c for c in contribs if c.part == "expert"]
@@ -335,7 +332,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     for name, slot in slots.items():
         cs = contribs[name]
         if slot.kind == SWITCH:
-            sources, gather = _gather_switch(ckpt, slot, cs, spec, style)
+            sources, gather = _gather_switch(ckpt, slot, cs, spec)
         else:
             if len(cs) != 1 or cs[0].part != "whole":
                 raise LayoutError(f"{len(cs)} source tensors map to {name}", key=cs[0].source)

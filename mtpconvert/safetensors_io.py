@@ -18,7 +18,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -343,7 +343,3 @@ def write_all(path: Path, tensors: Dict[str, mx.array], metadata: Optional[Dict[
     except BaseException:
         w.abort()
         raise
-
-
-def iter_specs(tensors: Iterable[TensorSpec]) -> List[TensorSpec]:
-    return list(tensors)

@@ -16,9 +16,9 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from .config import ModelSpec, model_spec, resolve_tie, text_config
+from .config import ModelSpec, model_spec, text_config
 from .errors import ConvertError, LayoutError
-from .naming import MLX, QUANT_AUX, canonical, source_name
+from .naming import MLX, QUANT_AUX, canonical, key_style, source_name
 from .plan import count_mtp_layers, detect_raw, detect_style
 from .rawexport import is_shifted_norm
 from .safetensors_io import TensorReader, mlx_dtype_name
@@ -182,7 +182,7 @@ def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report)
 def _check_experts(ckpt, slot: Slot, contribs, spec: ModelSpec, report: Report) -> None:
     per_expert = [c for c in contribs if c.part == "expert"]
     if per_expert:
-        if ckpt_style_is_mlx(contribs[0].source):
+        if key_style(contribs[0].source) == MLX:
             code = "mtp-moe-unstacked" if slot.group == MTP else "moe-unstacked"
             report.add(code, ERROR,
                        f"experts of {slot.module} are stored per expert; MLX runtimes need stacked "
@@ -205,10 +205,6 @@ def _check_experts(ckpt, slot: Slot, contribs, spec: ModelSpec, report: Report) 
         return
     if got != want:
         report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match the config {list(want)}", c.source)
-
-
-def ckpt_style_is_mlx(key: str) -> bool:
-    return key.startswith(LM)
 
 
 def _check_shape(ckpt, slot: Slot, key: str, raw: bool, aux, report: Report) -> None:
