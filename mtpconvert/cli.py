@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from . import __version__
-from .errors import ConvertError, LayoutError
+from .errors import ConvertError, LayoutError, OptionsError
 from .plan import ConvertOptions, build_plan
 from .quant import QuantOptions
 
@@ -84,6 +84,8 @@ def convert(
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip verifying the output before it is committed."),
+    no_smoke: bool = typer.Option(False, "--no-smoke", help="Skip the MTP decode smoke test (it loads the model)."),
+    min_acceptance: float = typer.Option(0.30, "--min-acceptance", help="Smoke floor for greedy draft acceptance."),
 ):
     """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
     from .execute import execute
@@ -116,7 +118,7 @@ def convert(
             result = execute(
                 plan, ckpt, out, overwrite=overwrite,
                 progress=lambda item, i: bar.advance(task, item.out_bytes),
-                check=None if no_verify else _check_output,
+                check=_output_checks(not no_verify, not no_smoke and plan.mtp_layers > 0, min_acceptance),
             )
     except ConvertError as e:
         _fail(e)
@@ -124,6 +126,20 @@ def convert(
         console.print("[red]interrupted[/red]: nothing was written to the output folder")
         raise typer.Exit(130)
     console.print(f"[green]wrote[/green] {result.out} ({len(result.shards)} shard(s), {result.tensors} tensors)")
+
+
+def _output_checks(run_verify: bool, run_smoke: bool, min_acceptance: float):
+    """Checks run on the finished temp folder before it is renamed to OUT: a failure leaves nothing at OUT."""
+    if not (run_verify or run_smoke):
+        return None
+
+    def check(folder: Path) -> None:
+        if run_verify:
+            _check_output(folder)
+        if run_smoke:
+            _check_smoke(folder, min_acceptance)
+
+    return check
 
 
 def _check_output(folder: Path) -> None:
@@ -134,6 +150,34 @@ def _check_output(folder: Path) -> None:
         first = next(f for f in report.findings if f.severity == "error")
         raise LayoutError(f"output failed verification: {first.code}: {first.message}", key=first.key,
                           hint="this is a bug in mtpconvert; please report it with --dry-run --json output")
+
+
+def _check_smoke(folder: Path, min_acceptance: float) -> None:
+    from .runtime.smoke import smoke as run_smoke
+
+    with console.status("MTP smoke test (greedy draft/verify decoding)"):
+        try:
+            result = run_smoke(folder, min_acceptance=min_acceptance)
+        except (ValueError, RuntimeError) as e:  # e.g. an op this device lacks (CPU bf16 gather_mm)
+            console.print(f"[yellow]smoke skipped[/yellow]: the model cannot run here ({str(e).splitlines()[0]})")
+            return
+    _print_smoke(result, console)
+    if not result.ok:
+        raise LayoutError(
+            f"MTP smoke test failed: greedy draft acceptance {result.acceptance:.1%} < {min_acceptance:.0%}"
+            if result.identical else "MTP decoding differs from plain greedy decoding",
+            file=folder, hint="the head is converted wrongly; nothing was written (use --no-smoke to keep it anyway)",
+        )
+
+
+def _print_smoke(result, to: Console) -> None:
+    status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
+    acc, prop = sum(result.mtp.accepted), sum(result.mtp.proposed)
+    same = "identical to plain greedy" if result.identical else (
+        f"[red]differs from plain greedy[/red] on prompt(s) {result.mismatched_prompts}")
+    to.print(f"MTP draft acceptance ({result.hidden}): {acc}/{prop} = {result.acceptance:.1%} "
+             f"(floor {result.min_acceptance:.0%}), {result.mtp.tokens_per_step:.2f} tokens/step, output {same} "
+             f"{status}", highlight=False)
 
 
 @app.command("verify")
@@ -167,7 +211,7 @@ def smoke(
     hidden: Hidden = typer.Option(Hidden.post, "--mtp-hidden", help="Backbone state fed to the head."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Greedy MTP draft acceptance on a few prompts; non-zero exit when the head is absent or broken."""
+    """Greedy MTP decoding next to plain greedy on a few prompts; non-zero exit when the head is absent or broken."""
     from .runtime.smoke import smoke as run_smoke
 
     try:
@@ -177,11 +221,55 @@ def smoke(
     if as_json:
         out_console.print_json(json.dumps(result.to_json()))
     else:
-        t = result.total
-        status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
-        out_console.print(f"MTP draft acceptance ({hidden.value}): {t.accepted}/{t.proposed} = {t.rate:.1%} "
-                          f"(floor {min_acceptance:.0%}) {status}")
+        _print_smoke(result, out_console)
     raise typer.Exit(0 if result.ok else 1)
+
+
+class BenchHidden(str, Enum):
+    post = "post-norm"
+    pre = "pre-norm"
+    both = "both"
+
+
+@app.command()
+def bench(
+    path: Path = typer.Argument(..., help="Converted MLX folder with an MTP head."),
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="Prompt text (repeatable)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Tokens generated per prompt and decoder."),
+    depth: list[int] = typer.Option([1], "--depth", "-k", help="Chained MTP drafts per step (repeatable)."),
+    hidden: BenchHidden = typer.Option(BenchHidden.both, "--mtp-hidden", help="Backbone state fed to the head."),
+    temperature: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """MTP speculative decoding vs plain decoding: acceptance per depth, tokens/step, tok/s, speedup, step costs."""
+    from .render import bench_table
+    from .runtime.bench import bench as run_bench
+    from .runtime.sampling import Sampling
+
+    if any(d < 1 for d in depth):
+        _fail(OptionsError("--depth must be >= 1"))
+    try:
+        sampling = Sampling(temperature, top_p, top_k)
+    except ValueError as e:
+        _fail(OptionsError(str(e)))
+    hiddens = ("post-norm", "pre-norm") if hidden is BenchHidden.both else (hidden.value,)
+    n_prompts = len(prompt) if prompt else 3
+    total = 2 * n_prompts * len(hiddens) * len(depth) * max_tokens
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
+                      TimeElapsedColumn(), console=console, transient=True, disable=as_json) as bar:
+            task = bar.add_task("decoding", total=total)
+            result = run_bench(path, prompt, max_tokens, depth, hiddens, sampling, seed,
+                               on_tokens=lambda n: bar.advance(task, n))
+    except ConvertError as e:
+        _fail(e)
+    if as_json:
+        out_console.print_json(json.dumps(result.to_json()))
+    else:
+        bench_table(result, out_console)
 
 
 def run() -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .config import ModelSpec, model_spec, text_config
-from .errors import ConfigError, LayoutError, OptionsError
-from .naming import MLX, QUANT_AUX, RAW_TEXT, RAW_VLM, Mapped, canonical, key_style, source_name
+from .errors import LayoutError, OptionsError
+from .naming import MLX, QUANT_AUX, RAW_VLM, Mapped, canonical, key_style, source_name
 from .quant import QuantOptions, QuantSpec, decide, quantization_block
 from .safetensors_io import TensorSpec, dtype_itemsize
-from .schema import A_LOG, BACKBONE, CONV, LM, MTP, NORM, SWITCH, VISION, Slot, expected_slots
+from .schema import A_LOG, CONV, LM, NORM, SWITCH, VISION, Slot, expected_slots
 from .source import Checkpoint
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")

@@ -18,7 +18,7 @@ import torch
 from mtpconvert.config import model_spec
 from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
 from mtpconvert.rawexport import to_raw
-from mtpconvert.schema import CONV, GATED_NORM, NORM, A_LOG, mtp_slots
+from mtpconvert.schema import NORM, mtp_slots
 
 VOCAB = 512
 

@@ -28,7 +28,8 @@ def test_dry_run_json_writes_nothing(raw_checkpoints, tmp_path):
 def test_convert_then_verify_json(raw_checkpoints, tmp_path):
     src = raw_checkpoints("dense-vlm").path
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(src), str(out), "--bits", "4", "--dtype", "float16"])
+    # random weights cannot draft: the smoke test is skipped here (the fixture tests run it)
+    result = runner.invoke(app, ["convert", str(src), str(out), "--bits", "4", "--dtype", "float16", "--no-smoke"])
     assert result.exit_code == 0, result.output
     assert (out / "model.safetensors.index.json").exists() and (out / "tokenizer.json").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -41,7 +42,7 @@ def test_convert_then_verify_json(raw_checkpoints, tmp_path):
     result = runner.invoke(app, ["convert", str(src), str(out)])
     assert result.exit_code == 2 and "already exists" in result.output
     assert sorted(p.name for p in out.iterdir()) == before
-    result = runner.invoke(app, ["convert", str(src), str(out), "--overwrite"])
+    result = runner.invoke(app, ["convert", str(src), str(out), "--overwrite", "--no-smoke"])
     assert result.exit_code == 0
 
 
@@ -56,3 +57,35 @@ def test_failed_conversion_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nomtp"]
     result = runner.invoke(app, ["verify", str(built.path), "--json"])
     assert result.exit_code == 1 and json.loads(result.stdout)["findings"][0]["code"] == "mtp-missing"
+
+
+def test_convert_runs_smoke_and_a_failing_head_leaves_nothing(raw_checkpoints, tmp_path):
+    """Random weights draft nothing useful: the smoke check fails before OUT is committed."""
+    src = raw_checkpoints("dense-vlm").path
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(src), str(out), "--dtype", "float32"])
+    assert result.exit_code != 0 and "MTP smoke test failed" in result.output
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_convert_fixture_passes_smoke_then_bench_json(tmp_path):
+    from mtpconvert.demo import fixture_prompts
+    from mtpconvert.fixture import fixture_path
+
+    out = tmp_path / "fx"
+    result = runner.invoke(app, ["convert", str(fixture_path("dense")), str(out), "--bits", "8", "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    assert "identical to plain greedy" in result.output
+    args = ["bench", str(out), "--max-tokens", "24", "--depth", "1", "--depth", "2", "--json"]
+    for p in fixture_prompts(2):
+        args += ["-p", p]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = {(r["hidden"], r["depth"]): r for r in report["rows"]}
+    assert set(rows) == {("post-norm", 1), ("post-norm", 2), ("pre-norm", 1), ("pre-norm", 2)}
+    r = rows["post-norm", 2]
+    assert r["mtp"]["acceptance"] > 0.8 and len(r["mtp"]["acceptance_by_depth"]) == 2
+    assert r["plain"]["decode_tok_per_s"] > 0 and r["speedup"] > 0 and r["costs"]["beta"] > 0
+    result = runner.invoke(app, ["bench", str(out), "--depth", "0"])
+    assert result.exit_code == 2

@@ -29,7 +29,7 @@ def convert(tmp_path, name, variant="dense", mutate=None, **quant):
 
 
 def rate(folder):
-    return smoke(folder, fixture_prompts(3), max_tokens=32).total.rate
+    return smoke(folder, fixture_prompts(3), max_tokens=32).acceptance
 
 
 @pytest.mark.parametrize("quant", [dict(), dict(bits=4, group_size=32), dict(bits=8, group_size=32, mtp="match"),
@@ -51,7 +51,7 @@ def test_missing_norm_shift_collapses_acceptance(tmp_path):
 
 def test_pre_norm_option_runs(tmp_path):
     out = convert(tmp_path, "o")
-    pre = smoke(out, fixture_prompts(2), max_tokens=16, hidden="pre-norm").total.rate
+    pre = smoke(out, fixture_prompts(2), max_tokens=16, hidden="pre-norm").acceptance
     assert 0.0 <= pre <= 1.0  # trained post-norm: reported side by side, not asserted high
 
 

@@ -1,4 +1,9 @@
-"""`mtpconvert smoke`: does the MTP head of a folder draft tokens the backbone accepts?"""
+"""`mtpconvert smoke`: does the MTP head of a folder draft tokens the backbone accepts?
+
+Runs the real draft/verify loop (greedy, depth 1) next to plain greedy decoding on a few
+prompts: acceptance below the floor fails, and so does MTP output that differs from the
+plain decode (a wrong rollback would show there).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .acceptance import Acceptance, greedy_acceptance
-from .load import load
+from .load import MTPModel, load
+from .speculative import DecodeStats, mtp_generate, plain_generate
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -23,28 +28,44 @@ DEFAULT_MIN_ACCEPTANCE = 0.30
 class SmokeResult:
     path: str
     hidden: str
-    per_prompt: List[Acceptance] = field(default_factory=list)
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
+    mtp: DecodeStats = field(default_factory=DecodeStats)
+    plain: DecodeStats = field(default_factory=DecodeStats)
+    per_prompt: List[float] = field(default_factory=list)
+    mismatched_prompts: List[int] = field(default_factory=list)
 
     @property
-    def total(self) -> Acceptance:
-        return Acceptance(sum(a.proposed for a in self.per_prompt), sum(a.accepted for a in self.per_prompt))
+    def acceptance(self) -> float:
+        return self.mtp.acceptance
+
+    @property
+    def identical(self) -> bool:
+        return not self.mismatched_prompts
 
     @property
     def ok(self) -> bool:
-        return self.total.rate >= self.min_acceptance
+        return self.acceptance >= self.min_acceptance and self.identical
 
     def to_json(self) -> dict:
         return {
             "path": self.path,
             "hidden": self.hidden,
-            "acceptance": round(self.total.rate, 4),
-            "proposed": self.total.proposed,
-            "accepted": self.total.accepted,
-            "per_prompt": [round(a.rate, 4) for a in self.per_prompt],
+            "acceptance": round(self.acceptance, 4),
+            "proposed": sum(self.mtp.proposed),
+            "accepted": sum(self.mtp.accepted),
+            "per_prompt": [round(a, 4) for a in self.per_prompt],
+            "identical_to_plain_greedy": self.identical,
+            "mismatched_prompts": self.mismatched_prompts,
             "min_acceptance": self.min_acceptance,
             "ok": self.ok,
         }
+
+
+def encode_prompts(path: Path, prompts: Optional[Sequence[str]]) -> List[List[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))  # never trust_remote_code
+    return [tok.encode(text) for text in (prompts or DEFAULT_PROMPTS)]
 
 
 def smoke(
@@ -53,13 +74,16 @@ def smoke(
     max_tokens: int = 48,
     hidden: str = "post-norm",
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
+    model: Optional[MTPModel] = None,
 ) -> SmokeResult:
-    from transformers import AutoTokenizer
-
-    m = load(path)
-    tok = AutoTokenizer.from_pretrained(str(path))
+    m = model or load(path)
     result = SmokeResult(str(path), hidden, min_acceptance=min_acceptance)
-    for text in prompts or DEFAULT_PROMPTS:
-        ids = tok.encode(text)
-        result.per_prompt.append(greedy_acceptance(m, ids, max_tokens, hidden))
+    for i, ids in enumerate(encode_prompts(path, prompts)):
+        plain, ps = plain_generate(m, ids, max_tokens)
+        spec, ms = mtp_generate(m, ids, max_tokens, hidden=hidden)
+        result.plain.add(ps)
+        result.mtp.add(ms)
+        result.per_prompt.append(ms.acceptance)
+        if spec != plain:
+            result.mismatched_prompts.append(i)
     return result
