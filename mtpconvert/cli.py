@@ -83,6 +83,7 @@ def convert(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and write nothing."),
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it exists."),
+    resume: bool = typer.Option(False, "--resume", help="Reuse shards an interrupted run finished (re-hashed first)."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip verifying the output before it is committed."),
     no_smoke: bool = typer.Option(False, "--no-smoke", help="Skip the MTP decode smoke test (it loads the model)."),
     min_acceptance: float = typer.Option(0.30, "--min-acceptance", help="Smoke floor for greedy draft acceptance."),
@@ -119,13 +120,16 @@ def convert(
                 plan, ckpt, out, overwrite=overwrite,
                 progress=lambda item, i: bar.advance(task, item.out_bytes),
                 check=_output_checks(not no_verify, not no_smoke and plan.mtp_layers > 0, min_acceptance),
+                resume=resume,
             )
     except ConvertError as e:
         _fail(e)
     except KeyboardInterrupt:
-        console.print("[red]interrupted[/red]: nothing was written to the output folder")
+        console.print(f"[red]interrupted[/red]: nothing was written to {out}; finished shards are kept in "
+                      f"{out.parent / ('.' + out.name + '.partial')} for `--resume`")
         raise typer.Exit(130)
-    console.print(f"[green]wrote[/green] {result.out} ({len(result.shards)} shard(s), {result.tensors} tensors)")
+    reused = f", {result.shards_reused} reused after checking" if result.shards_reused else ""
+    console.print(f"[green]wrote[/green] {result.out} ({len(result.shards)} shard(s){reused}, {result.tensors} tensors)")
 
 
 def _output_checks(run_verify: bool, run_smoke: bool, min_acceptance: float):
@@ -184,12 +188,13 @@ def _print_smoke(result, to: Console) -> None:
 def verify_cmd(
     path: Path = typer.Argument(..., help="Folder to check (raw HF, mtpconvert output, or another MLX conversion)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+    deep: bool = typer.Option(False, "--deep", help="Also read every float tensor and report NaN/Inf by name."),
 ):
     """Check a folder from its headers: layout, MTP, experts, norm shift, quantization, index."""
     from .render import report_table
     from .verify import verify
 
-    report = verify(path)
+    report = verify(path, deep=deep)
     if as_json:
         out_console.print_json(json.dumps(report.to_json()))
     else:

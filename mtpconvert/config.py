@@ -71,9 +71,15 @@ def text_config(config: dict) -> dict:
 def resolve_tie(config: dict) -> bool:
     """text_config wins; published 9B/27B configs carry the key at the top level only."""
     tc = text_config(config)
-    if "tie_word_embeddings" in tc:
-        return bool(tc["tie_word_embeddings"])
-    return bool(config.get("tie_word_embeddings", False))
+    where = tc if "tie_word_embeddings" in tc else config
+    return _bool(where, "tie_word_embeddings")
+
+
+def _bool(tc: dict, key: str, default: bool = False) -> bool:
+    value = tc.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}", file="config.json", key=key)
+    return value
 
 
 def _int(tc: dict, key: str, default: Optional[int] = None, *, minimum: int = 0) -> int:
@@ -92,10 +98,14 @@ def model_spec(config: dict) -> ModelSpec:
     tc = text_config(config)
     top_type = config.get("model_type")
     text_type = tc.get("model_type", top_type)
+    for where, t in (("model_type", top_type), ("text_config.model_type", text_type)):
+        if t is not None and not isinstance(t, str):
+            raise ConfigError(f"{where} must be a string, not {t!r}", file="config.json", key=where)
     for t in (top_type, text_type):
         if t in UNSUPPORTED_HINTS:
             raise ConfigError(f"unsupported model_type {t!r}", file="config.json", hint=UNSUPPORTED_HINTS[t])
-    mtype = SUPPORTED_TYPES.get(top_type) or SUPPORTED_TYPES.get(text_type)
+    # mlx-lm picks its module from the top-level model_type, so that one must be ours
+    mtype = SUPPORTED_TYPES.get(top_type) if top_type is not None else SUPPORTED_TYPES.get(text_type)
     if mtype is None:
         raise ConfigError(
             f"unknown model_type {top_type!r}; expected one of {sorted(SUPPORTED_TYPES)}",
@@ -111,7 +121,7 @@ def model_spec(config: dict) -> ModelSpec:
     hidden = _int(tc, "hidden_size", minimum=1)
     num_layers = _int(tc, "num_hidden_layers", minimum=1)
     num_heads = _int(tc, "num_attention_heads", minimum=1)
-    head_dim = tc.get("head_dim") or hidden // num_heads
+    head_dim = _int(tc, "head_dim", minimum=1) if tc.get("head_dim") is not None else hidden // num_heads
     interval = _int(tc, "full_attention_interval", 4, minimum=1)
     linear = tuple((i + 1) % interval != 0 for i in range(num_layers))
     layer_types: Optional[List[str]] = tc.get("layer_types")
@@ -161,6 +171,6 @@ def model_spec(config: dict) -> ModelSpec:
         moe_intermediate_size=_int(tc, "moe_intermediate_size", 0) if num_experts else 0,
         shared_expert_intermediate_size=_int(tc, "shared_expert_intermediate_size", 0) if num_experts else 0,
         tie_word_embeddings=resolve_tie(config),
-        attention_bias=bool(tc.get("attention_bias", False)),
+        attention_bias=_bool(tc, "attention_bias"),
         mtp_layers=_int(tc, "mtp_num_hidden_layers", 0),
     )

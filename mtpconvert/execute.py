@@ -7,6 +7,8 @@ on disk as soon as it is made and then dropped.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +26,44 @@ from .writer import OutputFolder, describe_os_error
 Progress = Callable[[PlanItem, int], None]
 
 
+RESUME_DIR = ".mtpconvert-resume"  # inside the partial folder; removed before commit
+
+
 @dataclass
 class ConvertResult:
     out: Path
     shards: List[str]
     tensors: int
     bytes_written: int
+    shards_reused: int = 0
+
+
+def plan_fingerprint(plan: Plan, ckpt: Checkpoint) -> str:
+    """Identifies what a shard was made from: the full plan plus each source file's size and mtime."""
+    h = hashlib.sha256(json.dumps(plan.to_json(), sort_keys=True).encode())
+    for f in sorted({t.file for t in ckpt.tensors.values()}):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _reusable(folder: OutputFolder, shard: str, fingerprint: str) -> bool:
+    """A shard left by an interrupted run is reused only if its record and its bytes check out."""
+    record, path = folder.path(RESUME_DIR) / f"{shard}.json", folder.path(shard)
+    try:
+        done = json.loads(record.read_text())
+        return (done.get("fingerprint") == fingerprint and path.stat().st_size == done.get("size")
+                and file_sha256(path) == done.get("sha256"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def produce(item: PlanItem, ckpt: Checkpoint, reader: TensorReader, cache: Dict[str, mx.array]) -> List[mx.array]:
@@ -87,8 +121,13 @@ def execute(
     progress: Optional[Progress] = None,
     extra_metadata: Optional[dict] = None,
     check: Optional[Callable[[Path], None]] = None,
+    resume: bool = False,
 ) -> ConvertResult:
-    """Write the plan's output folder atomically; ``check`` runs on the finished temp folder."""
+    """Write the plan's output folder atomically; ``check`` runs on the finished temp folder.
+
+    With ``resume``, shards finished by an interrupted run of the same plan are kept when
+    their recorded sha256 still matches; everything else is rewritten.
+    """
     shards: Dict[str, List[PlanItem]] = {}
     for item in plan.items:
         shards.setdefault(item.shard, []).append(item)
@@ -97,8 +136,10 @@ def execute(
         for s in item.sources:
             last_use[ckpt.tensors[s.key].file] = i
 
-    written = 0
-    with OutputFolder(out, overwrite=overwrite) as folder:
+    written = reused = 0
+    fingerprint = plan_fingerprint(plan, ckpt)
+    with OutputFolder(out, overwrite=overwrite, resume=resume) as folder:
+        folder.path(RESUME_DIR).mkdir(exist_ok=True)
         reader = TensorReader()
         cache: Dict[str, mx.array] = {}
         position = 0
@@ -106,6 +147,17 @@ def execute(
             for shard_name, items in shards.items():
                 specs = [spec for item in items for spec in item.outputs()]
                 path = folder.path(shard_name)
+                if resume and _reusable(folder, shard_name, fingerprint):
+                    reused += 1
+                    written += path.stat().st_size
+                    for item in items:
+                        for f, last in list(last_use.items()):
+                            if last == position:
+                                reader.release(f)
+                        if progress:
+                            progress(item, position)
+                        position += 1
+                    continue
                 writer = StreamingShardWriter(path, specs, {"format": "mlx"})
                 try:
                     for item in items:
@@ -121,6 +173,8 @@ def execute(
                         position += 1
                     writer.close()
                     written += writer.size
+                    record = {"fingerprint": fingerprint, "size": writer.size, "sha256": file_sha256(path)}
+                    (folder.path(RESUME_DIR) / f"{shard_name}.json").write_text(json.dumps(record))
                 except BaseException:
                     writer.abort()
                     raise
@@ -134,7 +188,8 @@ def execute(
             copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
         except OSError as e:
             raise describe_os_error(e, out) from e
+        shutil.rmtree(folder.path(RESUME_DIR))
         if check is not None:
             check(folder.tmp)
         folder.commit()
-    return ConvertResult(out, list(shards), sum(len(i.outputs()) for i in plan.items), written)
+    return ConvertResult(out, list(shards), sum(len(i.outputs()) for i in plan.items), written, reused)

@@ -151,6 +151,8 @@ def _tensor_info(path: Path, key: str, entry, data_start: int, data_len: int) ->
     dtype = entry.get("dtype")
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise SafetensorsError(f"dtype {dtype!r} is not a string", file=path, key=key)
     if dtype in UNSUPPORTED_DTYPES:
         raise SafetensorsError(
             f"dtype {dtype} is not supported (FP8/FP4 checkpoints must be converted "

@@ -72,7 +72,8 @@ class Report:
         return d
 
 
-def verify(path: Path) -> Report:
+def verify(path: Path, deep: bool = False) -> Report:
+    """Check a folder from its headers; ``deep`` also reads every float tensor for NaN/Inf."""
     report = Report(path=str(path))
     try:
         ckpt = open_checkpoint(Path(path))
@@ -96,7 +97,33 @@ def verify(path: Path) -> Report:
     _check_tensors(ckpt, spec, raw, report)
     _check_norms(ckpt, raw, report)
     _check_config(ckpt, spec, report)
+    if deep:
+        _check_finite(ckpt, report)
     return report
+
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _check_finite(ckpt: Checkpoint, report: Report) -> None:
+    """Read each float tensor once (one shard mapped at a time) and name any holding NaN or Inf."""
+    from .safetensors_io import TensorReader
+
+    reader = TensorReader()
+    try:
+        by_file: Dict[Path, List[str]] = defaultdict(list)
+        for key, info in ckpt.tensors.items():
+            if info.dtype in FLOAT_DTYPES:
+                by_file[info.file].append(key)
+        for file in sorted(by_file):
+            for key in sorted(by_file[file]):
+                arr = reader.read(ckpt.tensors[key])
+                nan, inf = (int(mx.sum(f(arr)).item()) for f in (mx.isnan, mx.isinf))
+                if nan or inf:
+                    report.add("non-finite", ERROR, f"{nan} NaN and {inf} Inf values", key, file)
+            reader.release(file)
+    finally:
+        reader.close()
 
 
 def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report) -> None:

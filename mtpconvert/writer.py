@@ -1,8 +1,11 @@
 """An output folder that appears whole or not at all.
 
 Work happens in a hidden sibling (``.OUT.partial``), guarded by a lock file so two
-runs cannot write the same OUT; ``commit`` renames it into place. Any failure before
-that removes the partial folder, so OUT never holds half a model.
+runs cannot write the same OUT; ``commit`` renames it into place. OUT never holds half a
+model. An error (disk full, bad input) removes the partial folder; an interruption
+(Ctrl-C, SIGTERM) keeps it so ``--resume`` can reuse its finished shards, which are
+checked against their recorded hashes before they are trusted. A run without
+``--resume`` starts from an empty partial folder.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 class OutputFolder:
-    def __init__(self, out: Path, *, overwrite: bool = False, keep_partial: bool = False):
+    def __init__(self, out: Path, *, overwrite: bool = False, resume: bool = False):
         self.out = Path(out)
         self.overwrite = overwrite
-        self.keep_partial = keep_partial
+        self.resume = resume
         self.tmp = self.out.parent / f".{self.out.name}.partial"
         self.lock = self.out.parent / f".{self.out.name}.lock"
         self._locked = False
@@ -44,7 +47,7 @@ class OutputFolder:
         except OSError as e:
             raise OutputError(f"cannot create parent folder: {e.strerror}", file=self.out.parent) from e
         self._acquire()
-        if self.tmp.exists() and not self.keep_partial:
+        if self.tmp.exists() and not self.resume:
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(exist_ok=True)
         return self
@@ -94,7 +97,8 @@ class OutputFolder:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if exc_type is not None and self.tmp.exists() and not self.keep_partial:
+            interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+            if exc_type is not None and self.tmp.exists() and not interrupted:
                 shutil.rmtree(self.tmp, ignore_errors=True)
         finally:
             if self._locked:

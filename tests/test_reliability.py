@@ -1,0 +1,334 @@
+"""Bad inputs and faults: a clear error naming file/key, non-zero exit, nothing at OUT, source untouched."""
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from typer.testing import CliRunner
+
+from mtpconvert import execute as execute_mod
+from mtpconvert.cli import app
+from mtpconvert.errors import ConvertError, OutputError
+from mtpconvert.execute import execute
+from mtpconvert.plan import ConvertOptions, build_plan
+from mtpconvert.quant import QuantOptions
+from mtpconvert.source import open_checkpoint
+from mtpconvert.verify import verify
+
+runner = CliRunner()
+
+
+def tree_digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def copy_of(raw_checkpoints, tmp_path, name="dense-sharded-tied"):
+    dst = tmp_path / "src"
+    shutil.copytree(raw_checkpoints(name).path, dst)
+    return dst
+
+
+def small_shards_plan(src):
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4, group_size=32), max_shard_bytes=40_000))
+    assert len({it.shard for it in plan.items}) >= 3
+    return ckpt, plan
+
+
+# ---------------------------------------------------------------- interruption and --resume
+
+
+def test_interrupt_leaves_nothing_at_out_and_resume_reuses_checked_shards(raw_checkpoints, tmp_path):
+    src = copy_of(raw_checkpoints, tmp_path)
+    before = tree_digest(src)
+    ckpt, plan = small_shards_plan(src)
+    fresh = tmp_path / "fresh"
+    execute(plan, ckpt, fresh)
+
+    out = tmp_path / "out"
+    stop_at = len(plan.items) * 2 // 3
+
+    def interrupt(item, i):
+        if i == stop_at:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        execute(plan, ckpt, out, progress=interrupt)
+    assert not out.exists()
+    partial = tmp_path / ".out.partial"
+    assert partial.exists() and not (tmp_path / ".out.lock").exists()
+    done = sorted(p.name for p in (partial / execute_mod.RESUME_DIR).iterdir())
+    assert done, "some shards finished before the interruption"
+
+    # a finished shard that was damaged afterwards is detected by its hash and rewritten
+    victim = partial / done[0].removesuffix(".json")
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    result = execute(plan, ckpt, out, resume=True)
+    assert result.shards_reused == len(done) - 1
+    assert tree_digest(out) == tree_digest(fresh)  # byte-identical to an uninterrupted run
+    assert not (out / execute_mod.RESUME_DIR).exists() and not partial.exists()
+    assert tree_digest(src) == before
+
+
+def test_resume_ignores_shards_from_a_different_plan(raw_checkpoints, tmp_path):
+    src = copy_of(raw_checkpoints, tmp_path)
+    ckpt, plan = small_shards_plan(src)
+    out = tmp_path / "out"
+
+    def interrupt(item, i):
+        if i == len(plan.items) - 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        execute(plan, ckpt, out, progress=interrupt)
+    other = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=8, group_size=32), max_shard_bytes=40_000))
+    result = execute(other, ckpt, out, resume=True)
+    assert result.shards_reused == 0 and verify(out).ok
+
+
+def test_run_without_resume_starts_clean(raw_checkpoints, tmp_path):
+    src = copy_of(raw_checkpoints, tmp_path)
+    ckpt, plan = small_shards_plan(src)
+    partial = tmp_path / ".out.partial"
+    partial.mkdir()
+    (partial / "junk.safetensors").write_bytes(b"junk")
+    result = execute(plan, ckpt, tmp_path / "out")
+    assert result.shards_reused == 0 and not (tmp_path / "out" / "junk.safetensors").exists()
+
+
+def test_sigterm_on_a_real_process_leaves_nothing_at_out(raw_checkpoints, tmp_path):
+    src = raw_checkpoints("dense-vlm").path
+    out = tmp_path / "out"
+    # a child that converts, but pauses inside the first shard so the signal lands mid-write
+    code = f"""
+import sys, time
+from mtpconvert import execute as ex
+real = ex.produce
+def slow(*a, **k):
+    print("writing", flush=True); time.sleep(0.2); return real(*a, **k)
+ex.produce = slow
+from mtpconvert.cli import app
+sys.argv = ["mtpconvert", "convert", {str(src)!r}, {str(out)!r}, "--no-smoke"]
+app()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and not out.exists() and not (tmp_path / ".out.lock").exists()
+
+
+# ---------------------------------------------------------------- disk full, locks
+
+
+def test_disk_full_gives_clear_error_and_removes_temp(raw_checkpoints, tmp_path, monkeypatch):
+    src = copy_of(raw_checkpoints, tmp_path)
+    before = tree_digest(src)
+    from mtpconvert import safetensors_io
+
+    real_write, calls = safetensors_io.StreamingShardWriter.write, []
+
+    def full(self, key, arr):
+        calls.append(key)
+        if len(calls) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, key, arr)
+
+    monkeypatch.setattr(safetensors_io.StreamingShardWriter, "write", full)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(src), str(out), "--no-smoke"])
+    assert result.exit_code != 0 and "disk full" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no OUT, no partial, no lock
+    assert tree_digest(src) == before
+
+
+def test_second_run_on_the_same_out_is_refused(raw_checkpoints, tmp_path):
+    src = raw_checkpoints("dense-vlm").path
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".out.lock").write_text(str(holder.pid))
+        result = runner.invoke(app, ["convert", str(src), str(out), "--no-smoke"])
+        assert result.exit_code != 0 and f"pid {holder.pid}" in result.output
+        assert not out.exists() and (tmp_path / ".out.lock").read_text() == str(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone: its lock is stale and the next run proceeds
+    result = runner.invoke(app, ["convert", str(src), str(out), "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / ".out.lock").exists()
+
+
+# ---------------------------------------------------------------- hostile or inconsistent inputs
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", "link.safetensors"])
+def test_index_names_leaving_the_folder_are_refused(raw_checkpoints, tmp_path, name):
+    src = copy_of(raw_checkpoints, tmp_path, "dense-vlm")
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(src / "model.safetensors", outside)
+    weight_map = {k: name for k in open_checkpoint(src).tensors}
+    if name == "link.safetensors":
+        os.symlink(outside, src / name)
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--no-smoke"])
+    assert result.exit_code != 0 and repr(name) in result.output
+    assert "index.json" in result.output and not (tmp_path / "out").exists()
+
+
+def _edit_config(folder, fn):
+    cfg = json.loads((folder / "config.json").read_text())
+    fn(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _text(cfg):
+    return cfg.get("text_config", cfg)
+
+
+CONFIG_CASES = {
+    "missing": (lambda f: (f / "config.json").unlink(), "config.json not found"),
+    "not-json": (lambda f: (f / "config.json").write_text("{nope"), "not valid JSON"),
+    "unknown-type": (lambda f: _edit_config(f, lambda c: c.update(model_type="llama")), "llama"),
+    "hidden-size": (lambda f: _edit_config(f, lambda c: _text(c).update(hidden_size=_text(c)["hidden_size"] * 2)),
+                    "shape"),
+    "mtp-claims-two": (lambda f: _edit_config(f, lambda c: _text(c).update(mtp_num_hidden_layers=2)),
+                       "mtp_num_hidden_layers"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_bad_config(raw_checkpoints, tmp_path, case):
+    src = copy_of(raw_checkpoints, tmp_path, "dense-vlm")
+    mutate, expected = CONFIG_CASES[case]
+    mutate(src)
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--no-smoke"])
+    output = result.output.replace("\n", "")  # rich wraps long paths
+    assert result.exit_code != 0 and expected in output, output
+    assert "config.json" in output or "model.safetensors" in output
+    assert not (tmp_path / "out").exists()
+
+
+def test_moe_expert_count_disagreeing_with_weights(raw_checkpoints, tmp_path):
+    src = copy_of(raw_checkpoints, tmp_path, "moe-per-expert")
+    _edit_config(src, lambda c: _text(c).update(num_experts=_text(c)["num_experts"] + 1))
+    with pytest.raises(ConvertError, match="does not match the config") as e:
+        build_plan(open_checkpoint(src), ConvertOptions())
+    assert e.value.key.endswith("mlp.gate.weight") and e.value.file.endswith("model.safetensors")
+
+
+def test_pickle_weights_are_never_opened(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
+    # a pickle that would run code if loaded
+    (tmp_path / "pytorch_model.bin").write_bytes(b"cos\nsystem\n(S'touch " + str(tmp_path / "pwned").encode() + b"'\ntR.")
+    result = runner.invoke(app, ["convert", str(tmp_path), str(tmp_path / "out"), "--no-smoke"])
+    assert result.exit_code != 0 and "never loaded" in result.output
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_no_remote_code_anywhere():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hits = []
+    for base, _, files in os.walk(os.path.join(root, "mtpconvert")):
+        for f in files:
+            if f.endswith(".py") and "trust_remote_code=True" in open(os.path.join(base, f)).read():
+                hits.append(f)
+    assert not hits
+
+
+# ---------------------------------------------------------------- verify --deep
+
+
+def test_verify_deep_names_non_finite_tensors(raw_checkpoints, tmp_path):
+    src = raw_checkpoints("dense-vlm").path
+    out = tmp_path / "out"
+    execute(build_plan(open_checkpoint(src), ConvertOptions()), open_checkpoint(src), out)
+    shard = next(out.glob("model*.safetensors"))
+    weights = mx.load(str(shard))
+    key = "language_model.mtp.fc.weight"
+    w = weights[key]
+    weights[key] = mx.where(mx.arange(w.size).reshape(w.shape) == 3, mx.array(float("nan"), w.dtype), w)
+    mx.save_safetensors(str(shard), weights, metadata={"format": "mlx"})
+    assert verify(out).ok  # headers alone cannot see it
+    result = runner.invoke(app, ["verify", str(out), "--deep", "--json"])
+    assert result.exit_code == 1
+    findings = json.loads(result.stdout)["findings"]
+    assert [(f["code"], f["key"]) for f in findings if f["severity"] == "error"] == [("non-finite", key)]
+    assert "1 NaN" in findings[0]["message"]
+
+
+# ---------------------------------------------------------------- secrets
+
+
+def test_token_never_appears_in_outputs(tmp_path, monkeypatch):
+    from mtpconvert.fixture import fixture_path
+
+    secret = "hf_SECRETmarker0123456789abcdef"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    out = tmp_path / "out"
+    logs = []
+    for args in (["convert", str(fixture_path("dense")), str(out), "--bits", "8", "--group-size", "32"],
+                 ["verify", str(out), "--json"], ["smoke", str(out), "--max-tokens", "8", "--json"],
+                 ["convert", str(tmp_path / "missing"), str(tmp_path / "o2")]):
+        result = runner.invoke(app, args)
+        logs.append(result.output)
+    assert all(secret not in log for log in logs)
+    for p in out.rglob("*"):
+        if p.is_file():
+            assert secret.encode() not in p.read_bytes(), p.name
+
+
+def test_output_error_is_a_convert_error():
+    assert issubclass(OutputError, ConvertError)
+
+
+def test_header_reader_refuses_huge_lengths_without_allocating(tmp_path):
+    from mtpconvert.errors import SafetensorsError
+    from mtpconvert.safetensors_io import read_header
+
+    f = tmp_path / "huge.safetensors"
+    f.write_bytes(struct.pack("<Q", 1 << 62) + b"{}")
+    with pytest.raises(SafetensorsError, match="exceeds"):
+        read_header(f)
+
+
+def _two_shards(raw_checkpoints, tmp_path):
+    src = copy_of(raw_checkpoints, tmp_path, "moe-fused")  # two shards + index
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    return src, index
+
+
+def test_duplicate_key_across_shards(raw_checkpoints, tmp_path):
+    src, index = _two_shards(raw_checkpoints, tmp_path)
+    shards = sorted(set(index["weight_map"].values()))
+    a, b = (mx.load(str(src / s)) for s in shards)
+    key = next(iter(a))
+    b[key] = a[key]
+    mx.save_safetensors(str(src / shards[1]), b)
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--no-smoke"])
+    output = result.output.replace("\n", "")
+    assert result.exit_code != 0 and key in output and "two shards" in output, output
+    assert not (tmp_path / "out").exists()
+
+
+def test_shard_with_keys_the_index_does_not_list(raw_checkpoints, tmp_path):
+    src, index = _two_shards(raw_checkpoints, tmp_path)
+    victim = next(iter(index["weight_map"]))
+    del index["weight_map"][victim]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--no-smoke"])
+    output = result.output.replace("\n", "")
+    assert result.exit_code != 0 and victim in output and "index" in output, output
+    assert not (tmp_path / "out").exists()
