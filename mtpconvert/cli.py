@@ -89,8 +89,7 @@ def convert(
     min_acceptance: float = typer.Option(0.30, "--min-acceptance", help="Smoke floor for greedy draft acceptance."),
 ):
     """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
-    from .execute import execute
-    from .render import plan_summary, plan_table
+    from .render import plan_table
     from .source import open_checkpoint
 
     _terminate_as_interrupt()
@@ -111,37 +110,53 @@ def convert(
             return
         if out is None:
             raise typer.BadParameter("OUT is required unless --dry-run")
-        plan_summary(plan, console)
-        total = sum(it.out_bytes for it in plan.items)
+        _write(plan, ckpt, out, overwrite=overwrite, resume=resume, run_verify=not no_verify,
+               run_smoke=not no_smoke, min_acceptance=min_acceptance)
+    except ConvertError as e:
+        _fail(e)
+
+
+def _write(plan, ckpt, out: Path, *, overwrite: bool, resume: bool, run_verify: bool, run_smoke: bool,
+           min_acceptance: float, extra_metadata: Optional[dict] = None, record: Optional[dict] = None):
+    """Execute a plan with a progress bar and the pre-commit checks; Ctrl-C exits 130 with nothing at OUT."""
+    from .execute import execute
+    from .render import plan_summary
+
+    plan_summary(plan, console)
+    total = sum(it.out_bytes for it in plan.items)
+    try:
         with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as bar:
             task = bar.add_task("converting", total=total)
             result = execute(
-                plan, ckpt, out, overwrite=overwrite,
+                plan, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
                 progress=lambda item, i: bar.advance(task, item.out_bytes),
-                check=_output_checks(not no_verify, not no_smoke and plan.mtp_layers > 0, min_acceptance),
+                check=_output_checks(run_verify, run_smoke and plan.mtp_layers > 0, min_acceptance, record),
                 resume=resume,
             )
-    except ConvertError as e:
-        _fail(e)
     except KeyboardInterrupt:
         console.print(f"[red]interrupted[/red]: nothing was written to {out}; finished shards are kept in "
                       f"{out.parent / ('.' + out.name + '.partial')} for `--resume`")
         raise typer.Exit(130)
     reused = f", {result.shards_reused} reused after checking" if result.shards_reused else ""
     console.print(f"[green]wrote[/green] {result.out} ({len(result.shards)} shard(s){reused}, {result.tensors} tensors)")
+    return result
 
 
-def _output_checks(run_verify: bool, run_smoke: bool, min_acceptance: float):
+def _output_checks(run_verify: bool, run_smoke: bool, min_acceptance: float, record: Optional[dict] = None):
     """Checks run on the finished temp folder before it is renamed to OUT: a failure leaves nothing at OUT."""
     if not (run_verify or run_smoke):
         return None
+    record = record if record is not None else {}
 
     def check(folder: Path) -> None:
         if run_verify:
             _check_output(folder)
+            record["verify_ok"] = True
         if run_smoke:
-            _check_smoke(folder, min_acceptance)
+            result = _check_smoke(folder, min_acceptance)
+            if result is not None:
+                record["smoke_acceptance"] = result.acceptance
 
     return check
 
@@ -156,15 +171,15 @@ def _check_output(folder: Path) -> None:
                           hint="this is a bug in mtpconvert; please report it with --dry-run --json output")
 
 
-def _check_smoke(folder: Path, min_acceptance: float) -> None:
+def _check_smoke(folder: Path, min_acceptance: float):
     from .runtime.smoke import smoke as run_smoke
 
+    reason = _cannot_run_here(folder)
+    if reason:
+        console.print(f"[yellow]smoke skipped[/yellow]: {reason}")
+        return None
     with console.status("MTP smoke test (greedy draft/verify decoding)"):
-        try:
-            result = run_smoke(folder, min_acceptance=min_acceptance)
-        except (ValueError, RuntimeError) as e:  # e.g. an op this device lacks (CPU bf16 gather_mm)
-            console.print(f"[yellow]smoke skipped[/yellow]: the model cannot run here ({str(e).splitlines()[0]})")
-            return
+        result = run_smoke(folder, min_acceptance=min_acceptance)
     _print_smoke(result, console)
     if not result.ok:
         raise LayoutError(
@@ -172,6 +187,20 @@ def _check_smoke(folder: Path, min_acceptance: float) -> None:
             if result.identical else "MTP decoding differs from plain greedy decoding",
             file=folder, hint="the head is converted wrongly; nothing was written (use --no-smoke to keep it anyway)",
         )
+    return result
+
+
+def _cannot_run_here(folder: Path) -> Optional[str]:
+    """Known device limits, checked up front so real failures are never mistaken for them."""
+    import mlx.core as mx
+
+    config = json.loads((folder / "config.json").read_text())
+    tc = config.get("text_config", config)
+    dtype = json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["mtpconvert"]["dtype"]
+    if (tc.get("num_experts") and "quantization" not in config and dtype != "float32"
+            and mx.default_device() == mx.cpu):
+        return f"mlx's CPU backend has no {dtype} gather_mm for unquantized MoE experts (run smoke on a GPU/Mac)"
+    return None
 
 
 def _print_smoke(result, to: Console) -> None:
@@ -275,6 +304,159 @@ def bench(
         out_console.print_json(json.dumps(result.to_json()))
     else:
         bench_table(result, out_console)
+
+
+@app.command("pull-and-quantize")
+def pull_and_quantize(
+    repo_id: str = typer.Argument(..., help="Hub repository, e.g. Qwen/Qwen3.5-27B."),
+    out: Optional[Path] = typer.Argument(None, help="Output folder (default: ./<name>-<bits>bit-mtp-mlx)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit (pinned to its sha)."),
+    bits: Optional[int] = typer.Option(None, "--bits", "-q"),
+    group_size: Optional[int] = typer.Option(None, "--group-size"),
+    q_mode: QMode = typer.Option(QMode.affine, "--q-mode"),
+    dtype: Optional[DType] = typer.Option(None, "--dtype"),
+    mtp: MtpPolicy = typer.Option(MtpPolicy.keep, "--mtp"),
+    mtp_bits: Optional[int] = typer.Option(None, "--mtp-bits"),
+    keep_vision: bool = typer.Option(False, "--keep-vision"),
+    max_shard_gb: float = typer.Option(5.0, "--max-shard-size"),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="huggingface_hub cache (default: HF_HOME)."),
+    local_dir: Optional[Path] = typer.Option(None, "--local-dir", help="Download into this folder instead of the cache."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN / saved login).",
+                                        show_default=False),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be downloaded and its size."),
+    as_json: bool = typer.Option(False, "--json"),
+    overwrite: bool = typer.Option(False, "--overwrite"),
+    resume: bool = typer.Option(False, "--resume"),
+    no_smoke: bool = typer.Option(False, "--no-smoke"),
+    min_acceptance: float = typer.Option(0.30, "--min-acceptance"),
+    upload_repo: Optional[str] = typer.Option(None, "--upload-repo", help="Upload the result here, with a model card."),
+    private: bool = typer.Option(False, "--private"),
+):
+    """Download only what conversion needs, convert, quantize, verify, smoke-test; optionally upload."""
+    from . import hub
+    from .render import human_bytes
+    from .source import open_checkpoint
+
+    _terminate_as_interrupt()
+    try:
+        opts = ConvertOptions(dtype=dtype.value if dtype else None,
+                              quant=QuantOptions(bits, group_size, q_mode.value, mtp.value, mtp_bits),
+                              keep_vision=keep_vision, max_shard_bytes=int(max_shard_gb * (1 << 30)))
+        with console.status(f"resolving {repo_id}"):
+            pull = hub.plan_pull(repo_id, revision, token=token, keep_vision=keep_vision,
+                                 keep_mtp=mtp.value != "drop", cache=cache_dir)
+        if dry_run:
+            if as_json:
+                out_console.print_json(json.dumps(pull.to_json()))
+            else:
+                out_console.print(f"{repo_id} @ {pull.sha}")
+                for f in pull.files:
+                    out_console.print(f"  download {f.name:60s} {human_bytes(f.size or 0):>10s}")
+                for f in pull.skipped:
+                    out_console.print(f"  skip     {f.name:60s} {human_bytes(f.size or 0):>10s}", style="dim")
+                out_console.print(f"total to download: {human_bytes(pull.total_bytes)}")
+            return
+        with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task(f"downloading {repo_id}", total=pull.total_bytes or None)
+            folder = hub.download(pull, token=token, cache=cache_dir, local_dir=local_dir,
+                                  on_file=lambda f: bar.advance(task, f.size or 0))
+        name = repo_id.split("/")[-1]
+        out = out or Path(f"{name}-{bits}bit-mtp-mlx" if bits else f"{name}-mtp-mlx")
+        ckpt = open_checkpoint(folder)
+        plan = build_plan(ckpt, opts)
+        record: dict = {}
+        _write(plan, ckpt, out, overwrite=overwrite, resume=resume, run_verify=True, run_smoke=not no_smoke,
+               min_acceptance=min_acceptance, record=record,
+               extra_metadata={"source_repo": repo_id, "source_revision": pull.sha})
+        if upload_repo:
+            card = hub.model_card(out, upload_repo, smoke_acceptance=record.get("smoke_acceptance"),
+                                  verify_ok=record.get("verify_ok"))
+            url = hub.upload(out, upload_repo, token=token, private=private, card=card)
+            console.print(f"[green]uploaded[/green] {upload_repo}: {url}")
+    except ConvertError as e:
+        _fail(e)
+
+
+@app.command("upload")
+def upload_cmd(
+    path: Path = typer.Argument(..., help="Converted MLX folder."),
+    repo_id: str = typer.Argument(..., help="Target Hub repository (created if absent)."),
+    token: Optional[str] = typer.Option(None, "--token", show_default=False),
+    private: bool = typer.Option(False, "--private"),
+    no_smoke: bool = typer.Option(False, "--no-smoke", help="Do not measure acceptance for the card."),
+):
+    """Verify a folder, write its model card, and upload it with huggingface_hub."""
+    from . import hub
+    from .verify import verify
+
+    try:
+        report = verify(path)
+        if not report.ok:
+            first = next(f for f in report.findings if f.severity == "error")
+            raise LayoutError(f"refusing to upload a folder that fails verify: {first.code}: {first.message}",
+                              file=path, key=first.key)
+        acceptance = None
+        if not no_smoke and report.mtp_layers_config:
+            acceptance = _check_smoke(path, 0.0)
+            acceptance = acceptance.acceptance if acceptance is not None else None
+        card = hub.model_card(path, repo_id, smoke_acceptance=acceptance, verify_ok=True)
+        url = hub.upload(path, repo_id, token=token, private=private, card=card)
+    except ConvertError as e:
+        _fail(e)
+    console.print(f"[green]uploaded[/green] {repo_id}: {url}")
+
+
+recipe_app = typer.Typer(help="Per-model conversion recipes (recipes/*.toml).", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("list")
+def recipe_list(folder: Path = typer.Option(Path("recipes"), "--dir", help="Folder of recipe files.")):
+    """Every recipe with its repository and options."""
+    from rich.table import Table
+
+    from .recipes import list_recipes
+
+    try:
+        recipes = list_recipes(folder)
+    except ConvertError as e:
+        _fail(e)
+    table = Table(title=f"recipes in {folder}")
+    for col in ("file", "repo", "bits", "group", "dtype", "MTP", "upload to"):
+        table.add_column(col, overflow="fold")
+    for r in recipes:
+        table.add_row(r.path.name, r.repo, str(r.bits or "-"), str(r.group_size or "-"), r.dtype or "source",
+                      r.mtp if r.mtp_bits is None else f"{r.mtp_bits}-bit", r.upload_repo or "-")
+    out_console.print(table)
+
+
+@recipe_app.command("run")
+def recipe_run(
+    path: Path = typer.Argument(..., help="A recipe file."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the download plan only."),
+    no_upload: bool = typer.Option(False, "--no-upload", help="Convert but do not upload."),
+    token: Optional[str] = typer.Option(None, "--token", show_default=False),
+):
+    """Run one recipe: pull-and-quantize -> verify -> smoke -> upload."""
+    from .recipes import load_recipe
+
+    try:
+        recipe = load_recipe(path)
+    except ConvertError as e:
+        _fail(e)
+    args = recipe.cli_args()
+    if out is not None:
+        args.insert(2, str(out))
+    if dry_run:
+        args.append("--dry-run")
+    if recipe.upload_repo and not no_upload and not dry_run:
+        args += ["--upload-repo", recipe.upload_repo]
+    if token:
+        args += ["--token", token]
+    console.print("mtpconvert " + " ".join(a if a != token else "***" for a in args), highlight=False)
+    typer.main.get_command(app).main(args, prog_name="mtpconvert", standalone_mode=False)
 
 
 def run() -> None:

@@ -19,7 +19,7 @@ import mlx.core as mx
 from . import __version__
 from .plan import Plan, PlanItem
 from .safetensors_io import StreamingShardWriter, TensorReader
-from .source import SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint
+from .source import SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
 from .transforms import apply_steps, gather
 from .writer import OutputFolder, describe_os_error
 
@@ -106,9 +106,11 @@ def copy_sidecars(src: Path, out: OutputFolder, keep_vision: bool) -> List[str]:
     copied = []
     for name in names:
         p = src / name
-        if p.is_file() and not p.is_symlink():
-            shutil.copyfile(p, out.path(name))
-            copied.append(name)
+        if not p.is_file():
+            continue
+        safe_member(src, name, "file", file=p)  # links only within the folder or its hub blob store
+        shutil.copyfile(p, out.path(name))
+        copied.append(name)
     return copied
 
 

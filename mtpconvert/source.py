@@ -71,6 +71,19 @@ def load_json(path: Path, what: str) -> dict:
     return obj
 
 
+def _inside(target: Path, folder: Optional[Path]) -> bool:
+    return folder is not None and (folder == target.parent or folder in target.parents)
+
+
+def _hub_blob_store(root: Path) -> Optional[Path]:
+    """huggingface_hub cache snapshots (models--X/snapshots/<sha>/) link into models--X/blobs/: allowed."""
+    root = root.absolute()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
+        blobs = root.parent.parent / "blobs"
+        return blobs.resolve() if blobs.is_dir() else None
+    return None
+
+
 def safe_member(root: Path, name: str, what: str, *, file: Path) -> Path:
     """Resolve ``name`` inside ``root``; refuse absolute paths, '..' and escaping links."""
     if not isinstance(name, str) or not name or name.startswith(("/", "\\")) or ":" in name[:3]:
@@ -80,7 +93,7 @@ def safe_member(root: Path, name: str, what: str, *, file: Path) -> Path:
         raise LayoutError(f"{what} {name!r} leaves the checkpoint folder", file=file)
     root_resolved = root.resolve()
     target = (root / name).resolve()
-    if root_resolved != target.parent and root_resolved not in target.parents:
+    if not (_inside(target, root_resolved) or _inside(target, _hub_blob_store(root))):
         raise LayoutError(
             f"{what} {name!r} resolves outside the checkpoint folder (symlink?)", file=file
         )

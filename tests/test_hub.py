@@ -1,0 +1,151 @@
+"""pull-and-quantize and upload against a loopback Hub (huggingface_hub's real download/upload code runs)."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from hubserver import FakeHub
+from mtpconvert.cli import app
+from mtpconvert.fixture import fixture_path
+
+runner = CliRunner()
+SECRET = "hf_PRIVATEtoken0123456789abcdefXYZ"
+
+
+@pytest.fixture()
+def hub(tmp_path, monkeypatch, raw_checkpoints):
+    with FakeHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        # the fixture as the hub serves it, plus files a conversion must not fetch
+        src = tmp_path / "served"
+        shutil.copytree(fixture_path("dense"), src)
+        (src / "pytorch_model.bin").write_bytes(b"pickle that must never be fetched")
+        (src / "training.json").write_text("{}")
+        h.add_folder("Qwen/Tiny-MTP", src)
+        # a sharded MoE with a vision tower: only shards with kept tensors are needed
+        h.add_folder("Qwen/Tiny-MoE", raw_checkpoints("moe-fused").path)
+        h.add_folder("Org/Private", src, private_token=SECRET)
+        yield h
+
+
+def test_dry_run_lists_only_needed_files(hub, tmp_path):
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", "--bits", "4", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    names = {f["name"] for f in plan["download"]}
+    assert "config.json" in names and "model.safetensors" in names and "tokenizer.json" in names
+    assert "pytorch_model.bin" not in names and "training.json" not in names
+    assert plan["sha"] == hub.repos["Qwen/Tiny-MTP"].sha
+    assert hub.downloaded() == []  # --dry-run reads metadata only (no index in this single-shard repo)
+
+
+def test_pull_and_quantize_end_to_end(hub, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--bits", "4", "--group-size", "32"])
+    assert result.exit_code == 0, result.output
+    got = set(hub.downloaded())
+    assert "pytorch_model.bin" not in got and "training.json" not in got and "model.safetensors" in got
+    meta = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["mtpconvert"]
+    assert meta["source_repo"] == "Qwen/Tiny-MTP" and meta["source_revision"] == hub.repos["Qwen/Tiny-MTP"].sha
+    assert "identical to plain greedy" in result.output
+    # second run: everything comes from the huggingface_hub cache
+    before = len(hub.downloaded())
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(tmp_path / "o2"), "--no-smoke"])
+    assert result.exit_code == 0 and len(hub.downloaded()) == before
+
+
+def test_sharded_pull_skips_shards_without_kept_tensors(hub, tmp_path):
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MoE", "--mtp", "drop", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    index = json.loads(hub.repos["Qwen/Tiny-MoE"].files["model.safetensors.index.json"])
+    needed = {s for k, s in index["weight_map"].items() if not k.startswith(("mtp.", "model.visual."))}
+    assert {f["name"] for f in plan["download"] if f["name"].endswith(".safetensors")} == needed
+
+
+def test_interrupted_download_resumes(hub, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)  # the fixture is smaller than 10 MB chunks
+    size = len(hub.repos["Qwen/Tiny-MTP"].files["model.safetensors"])
+    hub.drop_after["model.safetensors"] = size // 2
+    out = tmp_path / "out"
+    runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--no-smoke"])
+    if not out.exists():  # huggingface_hub gave up on this run: the next one resumes with a Range request
+        result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--no-smoke"])
+        assert result.exit_code == 0, result.output
+    ranges = [r.range for r in hub.log if r.path.endswith("/model.safetensors") and r.method == "GET"]
+    assert any(r and not r.startswith("bytes=0-") for r in ranges), ranges
+
+
+@pytest.mark.parametrize("repo, token, expected", [
+    ("Nobody/Missing", None, "not found"),
+    ("Org/Private", None, "not found, or private"),
+    ("Org/Private", "hf_wrong", "not found, or private"),
+])
+def test_hub_errors_are_clear_and_leave_nothing(hub, tmp_path, repo, token, expected):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["pull-and-quantize", repo, str(out)] + (["--token", token] if token else []))
+    assert result.exit_code != 0 and expected in result.output, result.output
+    assert not out.exists()
+
+
+def test_private_repo_with_token_and_token_never_leaks(hub, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["pull-and-quantize", "Org/Private", str(out), "--token", SECRET, "--bits", "8",
+                                 "--group-size", "32", "--upload-repo", "me/tiny-mtp-8bit"])
+    assert result.exit_code == 0, (result.output, [(r.method, r.path) for r in hub.log[-6:]])
+    assert SECRET not in result.output
+    assert all(r.auth in (None, f"Bearer {SECRET}") for r in hub.log)
+    for p in out.rglob("*"):
+        assert SECRET.encode() not in p.read_bytes()
+    uploaded = hub.repos["me/tiny-mtp-8bit"].files
+    assert SECRET.encode() not in b"".join(uploaded.values())
+    card = uploaded["README.md"].decode()
+    assert "library_name: mlx" in card and "base_model: Org/Private" in card and "- mtp" in card
+    sha = hub.repos["Org/Private"].sha
+    assert f"pull-and-quantize Org/Private --revision {sha} --bits 8 --group-size 32" in card
+    assert "--token" not in card, card
+    assert "8-bit, group 32" in card and "%" in card
+    assert hub.validated_yaml and "library_name: mlx" in hub.validated_yaml[0]
+
+
+def test_upload_command_sends_the_folder_and_a_card(hub, tmp_path):
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--no-smoke"]).exit_code == 0
+    result = runner.invoke(app, ["upload", str(out), "me/tiny", "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    repo = hub.repos["me/tiny"]
+    assert set(repo.files) >= {"config.json", "model.safetensors.index.json", "README.md", "tokenizer.json"}
+    assert any(n.startswith("model") and n.endswith(".safetensors") for n in repo.files)
+    assert not any(n.startswith(".") for n in repo.files)
+    assert hub.created and hub.created[0]["name"] in ("tiny", "me/tiny")
+
+
+def test_unreachable_hub_gives_a_clear_error(tmp_path, monkeypatch):
+    import socket
+
+    closed = socket.socket()  # a port nobody listens on
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "Hub" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipe_run_against_the_hub(hub, tmp_path):
+    from pathlib import Path
+
+    hub.add_folder("Qwen/Qwen3.5-27B", fixture_path("dense"))  # the fixture stands in for the real release
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "Qwen3.5-27B-8bit-bf16.toml"
+    result = runner.invoke(app, ["recipe", "run", str(recipe), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "pull-and-quantize Qwen/Qwen3.5-27B --revision main --bits 8" in result.output.replace("\n", "")
+    assert "model.safetensors" in result.output
