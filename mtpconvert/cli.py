@@ -407,6 +407,33 @@ def upload_cmd(
     console.print(f"[green]uploaded[/green] {repo_id}: {url}")
 
 
+@app.command("add-mtp")
+def add_mtp(
+    source_repo: str = typer.Argument(..., help="The original release on the Hub, e.g. Qwen/Qwen3.5-27B."),
+    mlx_dir: Path = typer.Argument(..., help="Existing MLX folder without an MTP head (e.g. from mlx_lm.convert)."),
+    revision: Optional[str] = typer.Option(None, "--revision"),
+    mtp: MtpPolicy = typer.Option(MtpPolicy.keep, "--mtp", help="keep (float) or match the folder's quantization."),
+    mtp_bits: Optional[int] = typer.Option(None, "--mtp-bits"),
+    token: Optional[str] = typer.Option(None, "--token", show_default=False),
+    no_smoke: bool = typer.Option(False, "--no-smoke"),
+    min_acceptance: float = typer.Option(0.30, "--min-acceptance"),
+):
+    """Graft the MTP head onto an existing MLX folder, reading only the mtp.* byte ranges from the Hub."""
+    from .graft import add_mtp_from_hub
+    from .render import human_bytes
+
+    _terminate_as_interrupt()
+    if mtp is MtpPolicy.drop:
+        _fail(OptionsError("--mtp drop makes no sense for add-mtp"))
+    try:
+        info = add_mtp_from_hub(source_repo, mlx_dir, revision=revision, token=token, mtp=mtp.value,
+                                mtp_bits=mtp_bits, check=_output_checks(True, not no_smoke, min_acceptance))
+    except ConvertError as e:
+        _fail(e)
+    console.print(f"[green]added[/green] {info['added']} MTP tensors to {mlx_dir} from {source_repo}@{info['sha'][:12]} "
+                  f"(read {human_bytes(info['fetched_bytes'])} of {human_bytes(info['source_bytes'])})")
+
+
 recipe_app = typer.Typer(help="Per-model conversion recipes (recipes/*.toml).", no_args_is_help=True)
 app.add_typer(recipe_app, name="recipe")
 

@@ -114,6 +114,16 @@ class FakeHub:
             def do_GET(self):
                 self._record()
                 path = self.path.split("?")[0]
+                m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?$", path)
+                if m:  # listing used by HfFileSystem (range reads)
+                    repo = self._repo(m.group(1))
+                    if repo is None:
+                        return
+                    prefix = (m.group(3) or "").strip("/")
+                    entries = [{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                               for n, b in sorted(repo.files.items())
+                               if (n.rsplit("/", 1)[0] if "/" in n else "") == prefix]
+                    return self._json(entries)
                 m = re.match(r"^/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?$", path)
                 if m:
                     repo = self._repo(m.group(1))

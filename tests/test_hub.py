@@ -149,3 +149,37 @@ def test_recipe_run_against_the_hub(hub, tmp_path):
     assert result.exit_code == 0, result.output
     assert "pull-and-quantize Qwen/Qwen3.5-27B --revision main --bits 8" in result.output.replace("\n", "")
     assert "model.safetensors" in result.output
+
+
+def test_add_mtp_grafts_the_head_reading_only_its_byte_ranges(hub, tmp_path):
+    from mtpconvert.execute import execute
+    from mtpconvert.plan import ConvertOptions, build_plan
+    from mtpconvert.quant import QuantOptions
+    from mtpconvert.source import open_checkpoint
+    from mtpconvert.verify import verify
+
+    # what users have today: a 4-bit folder without MTP (like mlx_lm.convert makes)
+    ckpt = open_checkpoint(fixture_path("dense"))
+    folder = tmp_path / "mlx"
+    plan = build_plan(ckpt, ConvertOptions(dtype="bfloat16", quant=QuantOptions(bits=4, group_size=32, mtp="drop")))
+    execute(plan, ckpt, folder)
+    assert not verify(folder).ok or verify(folder).mtp_layers_config == 0
+    before = {p.name: p.stat().st_ino for p in folder.iterdir()}
+
+    result = runner.invoke(app, ["add-mtp", "Qwen/Tiny-MTP", str(folder)])
+    assert result.exit_code == 0, result.output
+    assert "identical to plain greedy" in result.output
+    report = verify(folder)
+    assert report.ok and report.mtp_layers_config == 1
+    # only headers and mtp.* byte ranges were read from the weights
+    served = hub.repos["Qwen/Tiny-MTP"].files["model.safetensors"]
+    ranges = [r.range for r in hub.log if r.path.endswith("/model.safetensors") and r.method == "GET"]
+    assert ranges and all(r and r.startswith("bytes=") for r in ranges)
+    fetched = sum(int(b) - int(a) + 1 for a, b in (r[6:].split("-") for r in ranges))
+    assert fetched < len(served) / 3
+    # existing shards were linked, not rewritten
+    after = {p.name: p.stat().st_ino for p in folder.iterdir()}
+    assert all(after[n] == ino for n, ino in before.items() if n.endswith(".safetensors"))
+    # a second graft is refused and changes nothing
+    result = runner.invoke(app, ["add-mtp", "Qwen/Tiny-MTP", str(folder)])
+    assert result.exit_code != 0 and "already has MTP" in result.output

@@ -1,0 +1,158 @@
+"""`mtpconvert add-mtp`: give an existing MLX folder (made without MTP) the MTP head of its source release.
+
+Only the bytes needed are fetched: each source shard's header, then the byte ranges of the
+``mtp.*`` tensors, written at their own offsets into a *sparse* local mirror of the shard (same
+size, holes elsewhere). The ordinary plan/transform code then runs on the mirror unchanged and
+touches only the MTP items, so the head gets exactly the rules a full conversion would apply.
+The folder is rebuilt beside itself (existing shards hard-linked, not copied), verified, and
+swapped in atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from .errors import LayoutError
+from .execute import produce
+from .plan import ConvertOptions, build_plan
+from .quant import QuantOptions
+from .safetensors_io import MAX_HEADER_BYTES, StreamingShardWriter, TensorReader, read_header
+from .source import INDEX_NAME, open_checkpoint
+from .writer import OutputFolder
+
+MTP_SHARD = "model-mtp.safetensors"
+MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def fetch_sparse(repo_id: str, sha: str, shards: Dict[str, int], dest: Path, want: Callable[[str], bool],
+                 token: Optional[str] = None) -> int:
+    """Mirror ``shards`` (name -> size) into ``dest`` with only headers and wanted tensors filled in."""
+    from huggingface_hub import HfFileSystem
+
+    from .hub import _hub_error, endpoint
+
+    fs = HfFileSystem(endpoint=endpoint(), token=token)
+    fetched = 0
+    for name, size in shards.items():
+        local = dest / name
+        try:
+            with fs.open(f"{repo_id}/{name}", "rb", revision=sha, block_size=1, cache_type="none") as src, \
+                    open(local, "wb") as out:
+                out.truncate(size)
+                prefix = src.read(8)
+                n = int.from_bytes(prefix, "little")
+                if len(prefix) < 8 or n > MAX_HEADER_BYTES or 8 + n > size:
+                    raise LayoutError(f"bad safetensors header length {n}", file=name)
+                out.write(prefix + src.read(n))
+                out.flush()
+                fetched += 8 + n
+                for key, info in sorted(read_header(local).tensors.items(), key=lambda kv: kv[1].start):
+                    if want(key) and info.end > info.start:
+                        src.seek(info.start)
+                        out.seek(info.start)
+                        out.write(src.read(info.end - info.start))
+                        fetched += info.end - info.start
+        except LayoutError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _hub_error(e, repo_id, name) from e
+    return fetched
+
+
+def _existing_dtype(ckpt) -> str:
+    for key in ("language_model.model.norm.weight", "model.norm.weight"):
+        if key in ckpt.tensors:
+            return MLX_DTYPES.get(ckpt.tensors[key].dtype, "bfloat16")
+    return "bfloat16"
+
+
+def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optional[int] = None,
+          check: Optional[Callable[[Path], None]] = None) -> List[str]:
+    """Add the MTP head of the raw checkpoint at ``source_dir`` to ``mlx_dir``; return the added tensor names."""
+    mlx_dir = Path(mlx_dir)
+    existing = open_checkpoint(mlx_dir)
+    if any(k.startswith("language_model.mtp.") for k in existing.tensors):
+        raise LayoutError("the folder already has MTP tensors", file=mlx_dir, hint="nothing to add")
+    q = existing.config.get("quantization") or {}
+    quant = QuantOptions(q.get("bits"), q.get("group_size"), q.get("mode", "affine"), mtp, mtp_bits)
+    raw = open_checkpoint(source_dir)
+    plan = build_plan(raw, ConvertOptions(dtype=_existing_dtype(existing), quant=quant))
+    if plan.mtp_layers == 0:
+        raise LayoutError("the source checkpoint has no MTP head", file=source_dir)
+    items = [it for it in plan.items if it.name.startswith("language_model.mtp.")]
+    for probe in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"):
+        mine = next((it for it in plan.items if it.name == probe), None)
+        theirs = existing.tensors.get(probe)
+        if mine and theirs and mine.quant is None and tuple(theirs.shape) != tuple(mine.slot.shape):
+            raise LayoutError(f"the source's {probe} is {list(mine.slot.shape)}, the folder's {list(theirs.shape)}: "
+                              "not the same model", file=mlx_dir, key=probe)
+
+    added: List[str] = []
+    with OutputFolder(mlx_dir, overwrite=True) as folder:
+        for p in mlx_dir.iterdir():
+            if p.is_file() and p.name not in ("config.json", INDEX_NAME):
+                os.link(p, folder.path(p.name))
+        specs = [s for it in items for s in it.outputs()]
+        writer = StreamingShardWriter(folder.path(MTP_SHARD), specs, {"format": "mlx"})
+        reader, cache = TensorReader(), {}
+        try:
+            for it in items:
+                for spec, arr in zip(it.outputs(), produce(it, raw, reader, cache)):
+                    writer.write(spec.key, arr)
+                    added.append(spec.key)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            reader.close()
+
+        config = dict(existing.config)
+        tc = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+        tc["mtp_num_hidden_layers"] = plan.mtp_layers
+        for block in ("quantization", "quantization_config"):
+            if block in config:
+                config[block] = {**config[block], **{k: v for k, v in plan.config.get(block, {}).items()
+                                                     if k.startswith("language_model.mtp.")}}
+        folder.write_json("config.json", config)
+        index = json.loads((mlx_dir / INDEX_NAME).read_text()) if (mlx_dir / INDEX_NAME).exists() else {
+            "metadata": {}, "weight_map": {k: s for s in existing.shards for k in existing.headers[s].tensors}}
+        index.setdefault("metadata", {})["total_size"] = int(index["metadata"].get("total_size", 0)) + sum(
+            s.nbytes for s in specs)
+        index["metadata"].setdefault("mtpconvert", {})["mtp_grafted"] = {"mtp_policy": quant.mtp,
+                                                                          "mtp_layers": plan.mtp_layers}
+        index["weight_map"] = dict(sorted({**index["weight_map"], **{k: MTP_SHARD for k in added}}.items()))
+        folder.write_json(INDEX_NAME, index, indent=2)
+        if check is not None:
+            check(folder.tmp)
+        folder.commit()
+    return added
+
+
+def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = None, token: Optional[str] = None,
+                     mtp: str = "keep", mtp_bits: Optional[int] = None,
+                     check: Optional[Callable[[Path], None]] = None) -> dict:
+    """Fetch headers + MTP byte ranges of ``repo_id`` into a sparse mirror, then graft."""
+    from huggingface_hub import hf_hub_download
+
+    from . import hub
+
+    pull = hub.plan_pull(repo_id, revision, token=token)
+    sizes = {f.name: f.size for f in pull.files}
+    shard_names = [n for n in sizes if n.endswith(".safetensors")]
+    with tempfile.TemporaryDirectory(prefix="mtpconvert-graft-") as tmp:
+        mirror = Path(tmp)
+        for name in ("config.json", INDEX_NAME):
+            if name in sizes:
+                shutil.copyfile(hf_hub_download(repo_id, name, revision=pull.sha, token=token,
+                                                endpoint=hub.endpoint(), cache_dir=hub.cache_dir()), mirror / name)
+        fetched = fetch_sparse(repo_id, pull.sha, {n: sizes[n] for n in shard_names}, mirror,
+                               lambda k: k.startswith("mtp."), token)
+        added = graft(mirror, mlx_dir, mtp=mtp, mtp_bits=mtp_bits, check=check)
+    return {"sha": pull.sha, "fetched_bytes": fetched, "source_bytes": sum(sizes[n] or 0 for n in shard_names),
+            "added": len(added)}
