@@ -189,6 +189,21 @@ def _tensor_info(path: Path, key: str, entry, data_start: int, data_len: int) ->
     return TensorInfo(key, dtype, tuple(shape), path, data_start + begin, data_start + end)
 
 
+def _drop_pages(mm: mmap.mmap, start: int, end: int) -> None:
+    """Tell the kernel we are done with a tensor's file pages, so they stop counting toward RSS.
+
+    Without this a tensor is resident twice while it is transformed (page cache mapping + array).
+    """
+    if not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    lo = start - start % page
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, lo, end - lo)
+    except (OSError, ValueError):
+        pass
+
+
 class TensorReader:
     """Reads individual tensors by memory-mapping their files on first use."""
 
@@ -209,7 +224,9 @@ class TensorReader:
             )
         buf = np.frombuffer(mm, dtype=np_dtype, count=info.nbytes // np_dtype.itemsize,
                             offset=info.start).reshape(info.shape)
-        arr = mx.array(buf)
+        arr = mx.array(buf)  # a copy: the mapped pages are no longer needed
+        del buf
+        _drop_pages(mm, info.start, info.end)
         if info.dtype == "BF16":
             arr = arr.view(mx.bfloat16)
         return arr

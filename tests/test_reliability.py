@@ -332,3 +332,13 @@ def test_shard_with_keys_the_index_does_not_list(raw_checkpoints, tmp_path):
     output = result.output.replace("\n", "")
     assert result.exit_code != 0 and victim in output and "index" in output, output
     assert not (tmp_path / "out").exists()
+
+
+def test_two_runs_give_byte_identical_output(raw_checkpoints, tmp_path):
+    src = raw_checkpoints("moe-published35").path
+    outs = []
+    for name in ("a", "b"):
+        ckpt = open_checkpoint(src)
+        execute(build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4, group_size=32))), ckpt, tmp_path / name)
+        outs.append(tree_digest(tmp_path / name))
+    assert outs[0] == outs[1]

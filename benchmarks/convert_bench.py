@@ -1,0 +1,82 @@
+"""mtpconvert vs mlx_lm.convert on the same synthetic raw checkpoint, same machine, one run.
+
+Each tool runs in its own fresh process; we report wall time, peak RSS (ru_maxrss), and bytes
+read/written (/proc/self/io, Linux). mlx_lm.convert drops the MTP head, so mtpconvert runs twice:
+with `--mtp drop` (same work as mlx-lm) and with the head kept.
+
+    python benchmarks/synth.py Qwen3.5-27B /tmp/synth --layers 4 --shard-gb 2
+    python benchmarks/convert_bench.py /tmp/synth --bits 4 [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WRAPPER = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+tool, src, out, bits = sys.argv[1:5]
+if tool == "mlx_lm":
+    from mlx_lm import convert
+    convert(hf_path=src, mlx_path=out, quantize=True, q_bits=int(bits), q_group_size=64)
+else:
+    from mtpconvert.cli import app
+    args = ["convert", src, out, "--bits", bits, "--group-size", "64", "--no-smoke"]
+    if tool == "mtpconvert-drop":
+        args += ["--mtp", "drop"]
+    try:
+        app(args, standalone_mode=False)
+    except SystemExit:
+        pass
+wall = time.perf_counter() - t0
+io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+print(json.dumps({"wall_s": wall, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "read_bytes": int(io["read_bytes"]), "write_bytes": int(io["write_bytes"]),
+                  "rchar": int(io["rchar"]), "wchar": int(io["wchar"])}))
+"""
+
+
+def run(tool: str, src: Path, bits: int) -> dict:
+    with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
+        out = Path(tmp) / "out"
+        subprocess.run(["sync"])
+        proc = subprocess.run([sys.executable, "-c", WRAPPER, tool, str(src), str(out), str(bits)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{tool} failed:\n{proc.stderr[-2000:]}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["out_bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=Path)
+    ap.add_argument("--bits", type=int, default=4)
+    args = ap.parse_args(argv)
+    shards = sorted(args.src.glob("*.safetensors"))
+    src_bytes = sum(p.stat().st_size for p in shards)
+    largest = max(p.stat().st_size for p in shards)
+    rows = {t: run(t, args.src, args.bits) for t in ("mlx_lm", "mtpconvert-drop", "mtpconvert")}
+    gib = 2**30
+    print(f"source: {args.src} ({src_bytes / gib:.2f} GiB in {len(shards)} shards, largest {largest / gib:.2f} GiB), "
+          f"--bits {args.bits} --group-size 64")
+    print("| tool | wall s | vs mlx_lm | peak RSS GiB | RSS - largest shard | read GiB (rchar) | written GiB | output GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = rows["mlx_lm"]["wall_s"]
+    for tool, r in rows.items():
+        rss = r["peak_rss_kib"] * 1024
+        print(f"| {tool} | {r['wall_s']:.1f} | {r['wall_s'] / base:.2f}x | {rss / gib:.2f} | {(rss - largest) / gib:+.2f} "
+              f"| {r['rchar'] / gib:.2f} | {r['wchar'] / gib:.2f} | {r['out_bytes'] / gib:.2f} |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Write a synthetic raw Qwen3.5 checkpoint shaped like a published one, without holding it in memory.
+
+Shapes, key names, dtypes and config come from ../shared/layouts/<model>/ (the published tables);
+``--layers N`` keeps the first N decoder layers (plus the MTP head) so large models fit this machine.
+Tensors are written one at a time in chunks (random values, zero-centred norms, ``[C,1,K]`` conv1d),
+into Qwen3.5-style shards ``model.safetensors-000NN-of-000MM.safetensors`` with an index.
+``--sparse`` writes headers only (files keep their full size as holes): enough for header-only
+work such as ``verify`` at full model size.
+
+    python benchmarks/synth.py Qwen3.5-27B /tmp/synth-27b --layers 8 --shard-gb 1
+    python benchmarks/synth.py Qwen3.5-122B-A10B /tmp/synth-122b --sparse
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+
+LAYOUTS = Path(__file__).resolve().parents[2] / "shared" / "layouts"
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
+
+
+def load_table(model: str, layers: int | None):
+    folder = LAYOUTS / model
+    cfg_file = folder / "config.json" if (folder / "config.json").exists() else folder / "config.reconstructed.json"
+    config = json.loads(cfg_file.read_text())
+    rows = []
+    for line in (folder / "tensors.tsv").read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, shape, dtype, _ = line.split("\t")
+        m = LAYER.match(key)
+        if key.startswith("model.visual."):
+            continue  # the vision tower is not converted by default; leave it out of the benchmark
+        if layers is not None and m and int(m.group(1)) >= layers:
+            continue
+        rows.append((key, json.loads(shape), dtype))
+    if layers is not None:
+        tc = config.get("text_config", config)
+        tc["num_hidden_layers"] = layers
+        if isinstance(tc.get("layer_types"), list):
+            tc["layer_types"] = tc["layer_types"][:layers]
+    return config, rows
+
+
+def nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]
+
+
+def fill(f, key: str, shape, dtype: str, rng: np.random.Generator, chunk_elems: int = 1 << 24) -> None:
+    n = int(np.prod(shape, dtype=np.int64))
+    scale = 0.02 if not key.endswith(("norm.weight", "A_log", "dt_bias")) else 0.1
+    done = 0
+    while done < n:
+        m = min(chunk_elems, n - done)
+        x = (rng.standard_normal(m, dtype=np.float32) * scale)
+        if dtype == "F32":
+            f.write(x.tobytes())
+        elif dtype == "F16":
+            f.write(x.astype(np.float16).tobytes())
+        else:  # BF16: the high half of float32
+            f.write((x.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+        done += m
+
+
+def write(model: str, out: Path, layers: int | None, shard_gb: float, sparse: bool, seed: int = 0) -> dict:
+    config, rows = load_table(model, layers)
+    out.mkdir(parents=True, exist_ok=True)
+    limit = int(shard_gb * (1 << 30))
+    shards, cur, size = [], [], 0
+    for row in rows:
+        b = nbytes(row[1], row[2])
+        if cur and size + b > limit:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(row)
+        size += b
+    shards.append(cur)
+    total = len(shards)
+    weight_map, total_bytes = {}, 0
+    rng = np.random.default_rng(seed)
+    for i, rows_i in enumerate(shards, 1):
+        name = f"model.safetensors-{i:05d}-of-{total:05d}.safetensors"
+        header, off = {}, 0
+        for key, shape, dtype in rows_i:
+            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + nbytes(shape, dtype)]}
+            off += nbytes(shape, dtype)
+            weight_map[key] = name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(out / name, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            if sparse:
+                f.truncate(8 + len(raw) + off)
+            else:
+                for key, shape, dtype in rows_i:
+                    fill(f, key, shape, dtype, rng)
+        total_bytes += off
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2))
+    return {"shards": total, "bytes": total_bytes, "tensors": len(weight_map)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a folder name under ../shared/layouts, e.g. Qwen3.5-27B")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
+    ap.add_argument("--shard-gb", type=float, default=4.0)
+    ap.add_argument("--sparse", action="store_true", help="headers only (holes for the data)")
+    args = ap.parse_args(argv)
+    info = write(args.model, args.out, args.layers, args.shard_gb, args.sparse)
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()
