@@ -324,6 +324,7 @@ def pull_and_quantize(
     token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN / saved login).",
                                         show_default=False),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be downloaded and its size."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the Hub before failing."),
     as_json: bool = typer.Option(False, "--json"),
     overwrite: bool = typer.Option(False, "--overwrite"),
     resume: bool = typer.Option(False, "--resume"),
@@ -344,7 +345,7 @@ def pull_and_quantize(
                               keep_vision=keep_vision, max_shard_bytes=int(max_shard_gb * (1 << 30)))
         with console.status(f"resolving {repo_id}"):
             pull = hub.plan_pull(repo_id, revision, token=token, keep_vision=keep_vision,
-                                 keep_mtp=mtp.value != "drop", cache=cache_dir)
+                                 keep_mtp=mtp.value != "drop", cache=cache_dir, timeout=timeout)
         if dry_run:
             if as_json:
                 out_console.print_json(json.dumps(pull.to_json()))
@@ -359,7 +360,7 @@ def pull_and_quantize(
         with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as bar:
             task = bar.add_task(f"downloading {repo_id}", total=pull.total_bytes or None)
-            folder = hub.download(pull, token=token, cache=cache_dir, local_dir=local_dir,
+            folder = hub.download(pull, token=token, cache=cache_dir, local_dir=local_dir, timeout=timeout,
                                   on_file=lambda f: bar.advance(task, f.size or 0))
         name = repo_id.split("/")[-1]
         out = out or Path(f"{name}-{bits}bit-mtp-mlx" if bits else f"{name}-mtp-mlx")

@@ -115,14 +115,18 @@ def needed_files(siblings: Dict[str, Optional[int]], index: Optional[dict], *, k
     return sorted(n for n in names if not n.endswith(PICKLE_SUFFIXES))
 
 
+DEFAULT_TIMEOUT = 30.0  # seconds without an answer before a Hub metadata call fails
+
+
 def plan_pull(repo_id: str, revision: Optional[str] = None, *, token: Optional[str] = None,
-              keep_vision: bool = False, keep_mtp: bool = True, cache: Optional[Path] = None) -> PullPlan:
+              keep_vision: bool = False, keep_mtp: bool = True, cache: Optional[Path] = None,
+              timeout: float = DEFAULT_TIMEOUT) -> PullPlan:
     """Resolve the revision to a commit and choose files, reading only config and index."""
     from huggingface_hub import hf_hub_download
 
     api = _api(token)
     try:
-        info = api.model_info(repo_id, revision=revision, files_metadata=True, token=token)
+        info = api.model_info(repo_id, revision=revision, files_metadata=True, token=token, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - every failure becomes one clear HubError
         raise _hub_error(e, repo_id, "model info") from e
     sha = info.sha
@@ -133,7 +137,7 @@ def plan_pull(repo_id: str, revision: Optional[str] = None, *, token: Optional[s
     if INDEX_NAME in siblings:
         try:
             path = hf_hub_download(repo_id, INDEX_NAME, revision=sha, token=token, endpoint=endpoint(),
-                                   cache_dir=cache_dir(cache))
+                                   cache_dir=cache_dir(cache), etag_timeout=timeout)
         except Exception as e:  # noqa: BLE001
             raise _hub_error(e, repo_id, INDEX_NAME) from e
         try:
@@ -155,7 +159,8 @@ def plan_pull(repo_id: str, revision: Optional[str] = None, *, token: Optional[s
 
 
 def download(plan: PullPlan, *, token: Optional[str] = None, cache: Optional[Path] = None,
-             local_dir: Optional[Path] = None, on_file: Optional[Callable[[RemoteFile], None]] = None) -> Path:
+             local_dir: Optional[Path] = None, on_file: Optional[Callable[[RemoteFile], None]] = None,
+             timeout: float = DEFAULT_TIMEOUT) -> Path:
     """Fetch the plan's files at its pinned commit (resumable, cached); return the local folder."""
     from huggingface_hub import hf_hub_download
 
@@ -163,7 +168,7 @@ def download(plan: PullPlan, *, token: Optional[str] = None, cache: Optional[Pat
     for f in plan.files:
         try:
             path = hf_hub_download(plan.repo_id, f.name, revision=plan.sha, token=token, endpoint=endpoint(),
-                                   cache_dir=cache_dir(cache), local_dir=local_dir)
+                                   cache_dir=cache_dir(cache), local_dir=local_dir, etag_timeout=timeout)
         except Exception as e:  # noqa: BLE001
             raise _hub_error(e, plan.repo_id, f.name) from e
         folder = Path(path).parent if "/" not in f.name else folder

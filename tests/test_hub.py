@@ -183,3 +183,20 @@ def test_add_mtp_grafts_the_head_reading_only_its_byte_ranges(hub, tmp_path):
     # a second graft is refused and changes nothing
     result = runner.invoke(app, ["add-mtp", "Qwen/Tiny-MTP", str(folder)])
     assert result.exit_code != 0 and "already has MTP" in result.output
+
+
+def test_silent_hub_times_out_with_a_clear_error(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    t0 = time.monotonic()
+    try:
+        result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(tmp_path / "out"), "--timeout", "1"])
+    finally:
+        silent.close()
+    assert result.exit_code != 0 and "could not reach the Hub" in result.output, result.output
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()
