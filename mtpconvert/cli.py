@@ -68,6 +68,16 @@ def main(version: bool = typer.Option(False, "--version", help="Print the versio
         raise typer.Exit(0)
 
 
+def _convert_options(dtype, bits, group_size, q_mode, mtp, mtp_bits, keep_vision, max_shard_gb) -> ConvertOptions:
+    """The shared conversion options of `convert` and `pull-and-quantize`."""
+    return ConvertOptions(
+        dtype=dtype.value if dtype else None,
+        quant=QuantOptions(bits, group_size, q_mode.value, mtp.value, mtp_bits),
+        keep_vision=keep_vision,
+        max_shard_bytes=int(max_shard_gb * (1 << 30)),
+    )
+
+
 @app.command()
 def convert(
     source: Path = typer.Argument(..., help="Local checkpoint folder (raw Hugging Face or MLX)."),
@@ -94,12 +104,7 @@ def convert(
 
     _terminate_as_interrupt()
     try:
-        opts = ConvertOptions(
-            dtype=dtype.value if dtype else None,
-            quant=QuantOptions(bits, group_size, q_mode.value, mtp.value, mtp_bits),
-            keep_vision=keep_vision,
-            max_shard_bytes=int(max_shard_gb * (1 << 30)),
-        )
+        opts = _convert_options(dtype, bits, group_size, q_mode, mtp, mtp_bits, keep_vision, max_shard_gb)
         ckpt = open_checkpoint(source)
         plan = build_plan(ckpt, opts)
         if dry_run:
@@ -340,9 +345,7 @@ def pull_and_quantize(
 
     _terminate_as_interrupt()
     try:
-        opts = ConvertOptions(dtype=dtype.value if dtype else None,
-                              quant=QuantOptions(bits, group_size, q_mode.value, mtp.value, mtp_bits),
-                              keep_vision=keep_vision, max_shard_bytes=int(max_shard_gb * (1 << 30)))
+        opts = _convert_options(dtype, bits, group_size, q_mode, mtp, mtp_bits, keep_vision, max_shard_gb)
         with console.status(f"resolving {repo_id}"):
             pull = hub.plan_pull(repo_id, revision, token=token, keep_vision=keep_vision,
                                  keep_mtp=mtp.value != "drop", cache=cache_dir, timeout=timeout)
