@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import shutil
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", choices=["dense", "moe"], default="dense")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 132)  # logs and pipes get the full table
     src = fixture_path(args.variant)
     console.rule(f"mtpconvert demo: {src.name} (raw Hugging Face layout, bundled)")
     prompts = fixture_prompts()
