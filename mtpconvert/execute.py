@@ -137,6 +137,9 @@ def execute(
     for i, item in enumerate(plan.items):
         for s in item.sources:
             last_use[ckpt.tensors[s.key].file] = i
+    release_at: Dict[int, List[Path]] = {}
+    for f, last in last_use.items():
+        release_at.setdefault(last, []).append(f)
 
     written = reused = 0
     fingerprint = plan_fingerprint(plan, ckpt)
@@ -145,6 +148,16 @@ def execute(
         reader = TensorReader()
         cache: Dict[str, mx.array] = {}
         position = 0
+
+        def item_done(item: PlanItem) -> None:
+            """Unmap source files this item used last, report progress, move on."""
+            nonlocal position
+            for f in release_at.get(position, ()):
+                reader.release(f)
+            if progress:
+                progress(item, position)
+            position += 1
+
         try:
             for shard_name, items in shards.items():
                 specs = [spec for item in items for spec in item.outputs()]
@@ -153,12 +166,7 @@ def execute(
                     reused += 1
                     written += path.stat().st_size
                     for item in items:
-                        for f, last in list(last_use.items()):
-                            if last == position:
-                                reader.release(f)
-                        if progress:
-                            progress(item, position)
-                        position += 1
+                        item_done(item)
                     continue
                 writer = StreamingShardWriter(path, specs, {"format": "mlx"})
                 try:
@@ -167,12 +175,7 @@ def execute(
                         for spec, arr in zip(item.outputs(), outs):
                             writer.write(spec.key, arr)
                         del outs
-                        for f, last in list(last_use.items()):
-                            if last == position:
-                                reader.release(f)
-                        if progress:
-                            progress(item, position)
-                        position += 1
+                        item_done(item)
                     writer.close()
                     written += writer.size
                     record = {"fingerprint": fingerprint, "size": writer.size, "sha256": file_sha256(path)}
