@@ -42,10 +42,22 @@ print(json.dumps({"wall_s": wall, "peak_rss_kib": resource.getrusage(resource.RU
 """
 
 
-def run(tool: str, src: Path, bits: int) -> dict:
+def prepare_cache(src: Path, cold: bool) -> None:
+    """Same start for every tool: source pages all cached (warm) or none (cold, needs root)."""
+    subprocess.run(["sync"])
+    if cold:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return
+    for p in sorted(src.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def run(tool: str, src: Path, bits: int, cold: bool = False) -> dict:
     with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
         out = Path(tmp) / "out"
-        subprocess.run(["sync"])
+        prepare_cache(src, cold)
         proc = subprocess.run([sys.executable, "-c", WRAPPER, tool, str(src), str(out), str(bits)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
@@ -60,17 +72,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root); default: warm")
+    ap.add_argument("--tools", default="mlx_lm,mtpconvert-drop,mtpconvert")
     args = ap.parse_args(argv)
     shards = sorted(args.src.glob("*.safetensors"))
     src_bytes = sum(p.stat().st_size for p in shards)
     largest = max(p.stat().st_size for p in shards)
-    rows = {t: run(t, args.src, args.bits) for t in ("mlx_lm", "mtpconvert-drop", "mtpconvert")}
+    rows = {t: run(t, args.src, args.bits, args.cold) for t in args.tools.split(",")}
     gib = 2**30
     print(f"source: {args.src} ({src_bytes / gib:.2f} GiB in {len(shards)} shards, largest {largest / gib:.2f} GiB), "
-          f"--bits {args.bits} --group-size 64")
+          f"--bits {args.bits} --group-size 64, {'cold' if args.cold else 'warm'} page cache")
     print("| tool | wall s | vs mlx_lm | peak RSS GiB | RSS - largest shard | read GiB (rchar) | written GiB | output GiB |")
     print("|---|---|---|---|---|---|---|---|")
-    base = rows["mlx_lm"]["wall_s"]
+    base = rows["mlx_lm"]["wall_s"] if "mlx_lm" in rows else float("nan")
     for tool, r in rows.items():
         rss = r["peak_rss_kib"] * 1024
         print(f"| {tool} | {r['wall_s']:.1f} | {r['wall_s'] / base:.2f}x | {rss / gib:.2f} | {(rss - largest) / gib:+.2f} "

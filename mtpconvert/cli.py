@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 from enum import Enum
@@ -122,7 +123,8 @@ def convert(
 
 
 def _write(plan, ckpt, out: Path, *, overwrite: bool, resume: bool, run_verify: bool, run_smoke: bool,
-           min_acceptance: float, extra_metadata: Optional[dict] = None, record: Optional[dict] = None):
+           min_acceptance: float, extra_metadata: Optional[dict] = None, record: Optional[dict] = None,
+           stream=None):
     """Execute a plan with a progress bar and the pre-commit checks; Ctrl-C exits 130 with nothing at OUT."""
     from .execute import execute
     from .render import plan_summary
@@ -137,7 +139,7 @@ def _write(plan, ckpt, out: Path, *, overwrite: bool, resume: bool, run_verify: 
                 plan, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
                 progress=lambda item, i: bar.advance(task, item.out_bytes),
                 check=_output_checks(run_verify, run_smoke and plan.mtp_layers > 0, min_acceptance, record),
-                resume=resume,
+                resume=resume, stream=stream,
             )
     except KeyboardInterrupt:
         console.print(f"[red]interrupted[/red]: nothing was written to {out}; finished shards are kept in "
@@ -329,6 +331,8 @@ def pull_and_quantize(
     token: Optional[str] = typer.Option(None, "--token", help="Hub token (default: HF_TOKEN / saved login).",
                                         show_default=False),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be downloaded and its size."),
+    stream: bool = typer.Option(False, "--stream", help="Fetch each raw shard when first needed and delete it after "
+                                "its last use: raw data on disk stays within the two largest shards."),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the Hub before failing."),
     as_json: bool = typer.Option(False, "--json"),
     overwrite: bool = typer.Option(False, "--overwrite"),
@@ -360,19 +364,22 @@ def pull_and_quantize(
                     out_console.print(f"  skip     {f.name:60s} {human_bytes(f.size or 0):>10s}", style="dim")
                 out_console.print(f"total to download: {human_bytes(pull.total_bytes)}")
             return
-        with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as bar:
-            task = bar.add_task(f"downloading {repo_id}", total=pull.total_bytes or None)
-            folder = hub.download(pull, token=token, cache=cache_dir, local_dir=local_dir, timeout=timeout,
-                                  on_file=lambda f: bar.advance(task, f.size or 0))
         name = repo_id.split("/")[-1]
         out = out or Path(f"{name}-{bits}bit-mtp-mlx" if bits else f"{name}-mtp-mlx")
-        ckpt = open_checkpoint(folder)
-        plan = build_plan(ckpt, opts)
+        meta = {"source_repo": repo_id, "source_revision": pull.sha}
         record: dict = {}
-        _write(plan, ckpt, out, overwrite=overwrite, resume=resume, run_verify=True, run_smoke=not no_smoke,
-               min_acceptance=min_acceptance, record=record,
-               extra_metadata={"source_repo": repo_id, "source_revision": pull.sha})
+        write = dict(overwrite=overwrite, resume=resume, run_verify=True, run_smoke=not no_smoke,
+                     min_acceptance=min_acceptance, record=record, extra_metadata=meta)
+        if stream:
+            _pull_streamed(pull, out, opts, token=token, local_dir=local_dir, timeout=timeout, write=write)
+        else:
+            with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                          console=console, transient=True) as bar:
+                task = bar.add_task(f"downloading {repo_id}", total=pull.total_bytes or None)
+                folder = hub.download(pull, token=token, cache=cache_dir, local_dir=local_dir, timeout=timeout,
+                                      on_file=lambda f: bar.advance(task, f.size or 0))
+            ckpt = open_checkpoint(folder)
+            _write(build_plan(ckpt, opts), ckpt, out, **write)
         if upload_repo:
             card = hub.model_card(out, upload_repo, smoke_acceptance=record.get("smoke_acceptance"),
                                   verify_ok=record.get("verify_ok"))
@@ -380,6 +387,31 @@ def pull_and_quantize(
             console.print(f"[green]uploaded[/green] {upload_repo}: {url}")
     except ConvertError as e:
         _fail(e)
+
+
+def _pull_streamed(pull, out: Path, opts: ConvertOptions, *, token, local_dir: Optional[Path], timeout: float,
+                   write: dict) -> None:
+    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use."""
+    from . import hub
+    from .source import open_checkpoint
+    from .streaming import ShardStream, first_use_order
+
+    stage = local_dir or out.absolute().parent / f".{out.name}.stream"
+    try:
+        with console.status(f"reading {pull.repo_id} shard headers"):
+            ckpt = open_checkpoint(hub.fetch_stubs(pull, stage, token=token, timeout=timeout))
+        plan = build_plan(ckpt, opts)
+        feed = ShardStream(first_use_order(plan, ckpt),
+                           lambda name, dest: hub.fetch_file(pull, name, dest, token=token, timeout=timeout))
+        try:
+            _write(plan, ckpt, out, stream=feed, **write)
+        finally:
+            feed.close()
+        from .render import human_bytes
+        console.print(f"streamed: at most {human_bytes(feed.peak_bytes)} of raw shards on disk at once")
+    finally:
+        if local_dir is None:
+            shutil.rmtree(stage, ignore_errors=True)
 
 
 @app.command("upload")

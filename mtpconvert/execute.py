@@ -1,26 +1,33 @@
 """Run a plan: stream source tensors through their transforms into output shards.
 
-One output item at a time is held in memory (plus the fused tensor shared by a
-gate/up pair). Shards are written with their header fixed up front, so a tensor is
-on disk as soon as it is made and then dropped.
+Items are cut into row blocks of bounded size (``blocks``); a few blocks are in flight
+at once, evaluated on one CPU stream per core while the main thread copies the next
+block out of the source mapping and writes finished ones at their offsets. Shards are
+written with their header fixed up front, so memory is bounded by the block size and
+the pipeline depth, never by the largest tensor; the bytes do not depend on the order
+blocks finish in.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import mlx.core as mx
 
 from . import __version__
 from .plan import Plan, PlanItem
-from .safetensors_io import StreamingShardWriter, TensorReader
+from .blocks import DEFAULT_BLOCK_BYTES, Block, item_blocks, produce_block
+from .safetensors_io import StreamingShardWriter, TensorReader, shard_digest
+from .streaming import ShardStream
 from .source import SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
-from .transforms import apply_steps, gather
 from .writer import OutputFolder, describe_os_error
 
 Progress = Callable[[PlanItem, int], None]
@@ -47,35 +54,62 @@ def plan_fingerprint(plan: Plan, ckpt: Checkpoint) -> str:
     return h.hexdigest()
 
 
-def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _reusable(folder: OutputFolder, shard: str, fingerprint: str) -> bool:
     """A shard left by an interrupted run is reused only if its record and its bytes check out."""
     record, path = folder.path(RESUME_DIR) / f"{shard}.json", folder.path(shard)
     try:
         done = json.loads(record.read_text())
         return (done.get("fingerprint") == fingerprint and path.stat().st_size == done.get("size")
-                and file_sha256(path) == done.get("sha256"))
+                and shard_digest(path) == done.get("sha256"))
     except (OSError, ValueError, AttributeError):
         return False
 
 
-def produce(item: PlanItem, ckpt: Checkpoint, reader: TensorReader, cache: Dict[str, mx.array]) -> List[mx.array]:
-    """The output arrays of one plan item (evaluated)."""
-    arrays = [cache[s.key] if s.key in cache else reader.read(ckpt.tensors[s.key]) for s in item.sources]
-    # keep a fused gate_up around for its twin item
-    cache.clear()
-    if item.gather in ("gate_half", "up_half"):
-        cache[item.sources[0].key] = arrays[0]
-    outs = apply_steps(gather(arrays, item.gather), item.steps, item.quant)
-    mx.eval(*outs)
-    return outs
+_STREAMS: Dict[tuple, List[mx.Stream]] = {}
+
+
+def compute_streams(workers: Optional[int] = None) -> List[mx.Stream]:
+    """Streams to evaluate blocks on: one CPU stream per worker (default: per core, at most 8),
+    since MLX runs each CPU stream on its own thread; a GPU needs only its default stream.
+
+    MLX streams live as long as the process and belong to the thread that made them, so
+    they are made once per thread and reused.
+    """
+    if mx.default_device() != mx.cpu:
+        return [mx.default_stream(mx.default_device())]
+    n = workers or min(os.cpu_count() or 1, 8)
+    key = (threading.get_ident(), n)
+    if key not in _STREAMS:
+        _STREAMS[key] = [mx.new_stream(mx.cpu) for _ in range(n)]
+    return _STREAMS[key]
+
+
+def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader, writer: StreamingShardWriter,
+                 streams: List[mx.Stream], on_item: Callable[[PlanItem], None]) -> None:
+    """Produce and write ``blocks`` in order, ``len(streams)`` of them being evaluated at any time.
+
+    The main thread builds block k+n (copying its source rows) while blocks k..k+n-1 run
+    on their streams, then writes block k at its offset; ``on_item`` runs after an item's
+    last block is written.
+    """
+    pending: deque = deque()
+
+    def flush() -> None:
+        block, outs = pending.popleft()
+        for spec, arr in zip(block.item.outputs(), outs):
+            writer.write(spec.key, arr, block.start)
+        if block.last:
+            on_item(block.item)
+
+    for k, block in enumerate(blocks):
+        with mx.stream(streams[k % len(streams)]):
+            outs = produce_block(block, ckpt, reader)
+        mx.async_eval(*outs)
+        pending.append((block, outs))
+        if len(pending) > len(streams):
+            flush()
+    while pending:
+        flush()
 
 
 def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
@@ -124,11 +158,15 @@ def execute(
     extra_metadata: Optional[dict] = None,
     check: Optional[Callable[[Path], None]] = None,
     resume: bool = False,
+    workers: Optional[int] = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    stream: Optional[ShardStream] = None,
 ) -> ConvertResult:
     """Write the plan's output folder atomically; ``check`` runs on the finished temp folder.
 
     With ``resume``, shards finished by an interrupted run of the same plan are kept when
-    their recorded sha256 still matches; everything else is rewritten.
+    their recorded sha256 still matches; everything else is rewritten. With ``stream``,
+    source shards are fetched when first read and deleted after their last use.
     """
     shards: Dict[str, List[PlanItem]] = {}
     for item in plan.items:
@@ -145,8 +183,8 @@ def execute(
     fingerprint = plan_fingerprint(plan, ckpt)
     with OutputFolder(out, overwrite=overwrite, resume=resume) as folder:
         folder.path(RESUME_DIR).mkdir(exist_ok=True)
-        reader = TensorReader()
-        cache: Dict[str, mx.array] = {}
+        reader = TensorReader(stream.ensure, stream.release) if stream else TensorReader()
+        streams = compute_streams(workers)
         position = 0
 
         def item_done(item: PlanItem) -> None:
@@ -170,15 +208,11 @@ def execute(
                     continue
                 writer = StreamingShardWriter(path, specs, {"format": "mlx"})
                 try:
-                    for item in items:
-                        outs = produce(item, ckpt, reader, cache)
-                        for spec, arr in zip(item.outputs(), outs):
-                            writer.write(spec.key, arr)
-                        del outs
-                        item_done(item)
+                    blocks = (b for item in items for b in item_blocks(item, block_bytes))
+                    write_blocks(blocks, ckpt, reader, writer, streams, item_done)
                     writer.close()
                     written += writer.size
-                    record = {"fingerprint": fingerprint, "size": writer.size, "sha256": file_sha256(path)}
+                    record = {"fingerprint": fingerprint, "size": writer.size, "sha256": writer.digest()}
                     (folder.path(RESUME_DIR) / f"{shard_name}.json").write_text(json.dumps(record))
                 except BaseException:
                     writer.abort()

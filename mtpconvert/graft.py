@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from .errors import LayoutError
-from .execute import produce
+from .blocks import produce
 from .plan import ConvertOptions, build_plan
 from .quant import QuantOptions
 from .safetensors_io import MAX_HEADER_BYTES, StreamingShardWriter, TensorReader, read_header
@@ -99,10 +99,10 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
                 os.link(p, folder.path(p.name))
         specs = [s for it in items for s in it.outputs()]
         writer = StreamingShardWriter(folder.path(MTP_SHARD), specs, {"format": "mlx"})
-        reader, cache = TensorReader(), {}
+        reader = TensorReader()
         try:
             for it in items:
-                for spec, arr in zip(it.outputs(), produce(it, raw, reader, cache)):
+                for spec, arr in zip(it.outputs(), produce(it, raw, reader)):
                     writer.write(spec.key, arr)
                     added.append(spec.key)
             writer.close()

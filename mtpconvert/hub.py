@@ -178,6 +178,38 @@ def download(plan: PullPlan, *, token: Optional[str] = None, cache: Optional[Pat
     return folder
 
 
+def fetch_stubs(plan: PullPlan, stage: Path, *, token: Optional[str] = None,
+                timeout: float = DEFAULT_TIMEOUT) -> Path:
+    """For ``--stream``: small files downloaded into ``stage``, each shard as a sparse stub (its
+    header only, fetched with range requests), so the plan can be built before any tensor data."""
+    from .graft import fetch_sparse
+
+    stage.mkdir(parents=True, exist_ok=True)
+    shards = {f.name: f.size for f in plan.files if f.name.endswith(".safetensors")}
+    unsized = [n for n, size in shards.items() if size is None]
+    if unsized:
+        raise HubError("the Hub did not report this shard's size; --stream needs it", file=unsized[0])
+    for f in plan.files:
+        if f.name not in shards:
+            fetch_file(plan, f.name, stage / f.name, token=token, timeout=timeout)
+    fetch_sparse(plan.repo_id, plan.sha, shards, stage, want=lambda key: False, token=token)
+    return stage
+
+
+def fetch_file(plan: PullPlan, name: str, dest: Path, *, token: Optional[str] = None,
+               timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Download one file of the pinned commit to ``dest`` (no cache copy: a streamed shard is deleted after use)."""
+    from huggingface_hub import hf_hub_download
+
+    scratch = dest.parent / ".fetch"
+    try:
+        path = hf_hub_download(plan.repo_id, name, revision=plan.sha, token=token, endpoint=endpoint(),
+                               local_dir=scratch, etag_timeout=timeout)
+    except Exception as e:  # noqa: BLE001
+        raise _hub_error(e, plan.repo_id, name) from e
+    os.replace(path, dest)
+
+
 # ---------------------------------------------------------------- upload
 
 CARD_TEMPLATE = """---

@@ -12,13 +12,14 @@ shard never has to sit in memory whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +48,9 @@ DTYPES: Dict[str, Tuple[np.dtype, mx.Dtype, int]] = {
 }
 
 MLX_TO_ST = {v[1]: k for k, v in DTYPES.items()}
+
+# The writer starts the kernel's writeback after this many bytes, overlapping disk writes with compute.
+WRITEBACK_BYTES = 256 << 20
 
 # dtypes we recognise but cannot convert; named in the error.
 UNSUPPORTED_DTYPES = {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
@@ -189,31 +193,61 @@ def _tensor_info(path: Path, key: str, entry, data_start: int, data_len: int) ->
     return TensorInfo(key, dtype, tuple(shape), path, data_start + begin, data_start + end)
 
 
+def _advise(mm: mmap.mmap, advice_name: str, start: int, end: int) -> None:
+    """madvise a byte range of a mapping, where the platform has that advice (a hint: errors ignored)."""
+    advice = getattr(mmap, advice_name, None)
+    if advice is None or not hasattr(mm, "madvise") or end <= start:
+        return
+    lo = start - start % mmap.PAGESIZE
+    try:
+        mm.madvise(advice, lo, end - lo)
+    except (OSError, ValueError):
+        pass
+
+
 def _drop_pages(mm: mmap.mmap, start: int, end: int) -> None:
     """Tell the kernel we are done with a tensor's file pages, so they stop counting toward RSS.
 
     Without this a tensor is resident twice while it is transformed (page cache mapping + array).
     """
-    if not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    page = mmap.PAGESIZE
-    lo = start - start % page
-    try:
-        mm.madvise(mmap.MADV_DONTNEED, lo, end - lo)
-    except (OSError, ValueError):
-        pass
+    _advise(mm, "MADV_DONTNEED", start, end)
 
 
 class TensorReader:
-    """Reads individual tensors by memory-mapping their files on first use."""
+    """Reads individual tensors by memory-mapping their files on first use.
 
-    def __init__(self):
+    ``on_open(file)`` runs before a file is first mapped (a streamed shard is fetched
+    there) and ``on_release(file)`` after it is unmapped for good (a streamed shard is
+    deleted there).
+    """
+
+    def __init__(self, on_open: Optional[Callable[[Path], None]] = None,
+                 on_release: Optional[Callable[[Path], None]] = None):
         self._maps: Dict[Path, Tuple[object, mmap.mmap]] = {}
+        self._on_open, self._on_release = on_open, on_release
 
     def read(self, info: TensorInfo) -> mx.array:
-        np_dtype, mx_dtype, _ = DTYPES[info.dtype]
-        if info.nbytes == 0:
-            return mx.zeros(info.shape, dtype=mx_dtype)
+        return self.read_rows(info, 0, info.shape[0] if info.shape else 1)
+
+    def read_rows(self, info: TensorInfo, start: int, stop: int,
+                  part: Optional[Tuple[int, int]] = None) -> mx.array:
+        """Rows ``start:stop`` of the tensor's leading axis (the whole tensor for a scalar).
+
+        Only those rows' bytes are copied out of the mapping, and their pages are dropped
+        right after, so reading a large tensor a block at a time keeps one block resident.
+        ``part=(i, n)`` keeps the i-th of n equal slices of axis 1 (one half of a fused
+        gate_up), gathered on the numpy side where a strided copy is cheap.
+        """
+        np_dtype, mx_dtype, itemsize = DTYPES[info.dtype]
+        rows = info.shape[0] if info.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{info.key}: rows {start}:{stop} outside {rows}")
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        count = math.prod(shape)
+        if count == 0:
+            return mx.zeros(shape, dtype=mx_dtype)
+        row_bytes = info.nbytes // rows
+        begin, end = info.start + start * row_bytes, info.start + stop * row_bytes
         mm = self._map(info.file)
         if info.end > len(mm):
             raise SafetensorsError(
@@ -222,17 +256,25 @@ class TensorReader:
                 file=info.file,
                 key=info.key,
             )
-        buf = np.frombuffer(mm, dtype=np_dtype, count=info.nbytes // np_dtype.itemsize,
-                            offset=info.start).reshape(info.shape)
+        # the next block of this tensor is read from disk while this one is copied and computed
+        _advise(mm, "MADV_WILLNEED", end, min(info.end, 2 * end - begin))
+        buf = np.frombuffer(mm, dtype=np_dtype, count=count, offset=begin).reshape(shape)
+        if part is not None:
+            i, n = part
+            if len(shape) < 2 or shape[1] % n:
+                raise ValueError(f"{info.key}: axis 1 of {list(info.shape)} does not split in {n}")
+            buf = np.ascontiguousarray(buf.reshape(shape[0], n, shape[1] // n, *shape[2:])[:, i])
         arr = mx.array(buf)  # a copy: the mapped pages are no longer needed
         del buf
-        _drop_pages(mm, info.start, info.end)
+        _drop_pages(mm, begin, end)
         if info.dtype == "BF16":
             arr = arr.view(mx.bfloat16)
         return arr
 
     def _map(self, file: Path) -> mmap.mmap:
         if file not in self._maps:
+            if self._on_open is not None:
+                self._on_open(file)
             try:
                 f = open(file, "rb")
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -242,7 +284,12 @@ class TensorReader:
         return self._maps[file][1]
 
     def release(self, file: Path) -> None:
-        """Unmap one file (after its last tensor was used)."""
+        """Unmap one file after its last tensor was used (and tell ``on_release``)."""
+        self._unmap(file)
+        if self._on_release is not None:
+            self._on_release(file)
+
+    def _unmap(self, file: Path) -> None:
         entry = self._maps.pop(file, None)
         if entry is not None:
             f, mm = entry
@@ -250,8 +297,9 @@ class TensorReader:
             f.close()
 
     def close(self) -> None:
+        """Unmap everything; files not released stay as they are (a failed run may resume)."""
         for file in list(self._maps):
-            self.release(file)
+            self._unmap(file)
 
     def __enter__(self):
         return self
@@ -283,65 +331,135 @@ class TensorSpec:
 class StreamingShardWriter:
     """Writes one safetensors file whose header is fixed before any data arrives.
 
-    Tensors must be written in the order of ``specs`` with exactly the declared dtype
-    and shape; ``close`` refuses to finish a file with tensors missing.
+    Every tensor's byte range is known from the header, so data may arrive in row blocks
+    (leading-axis slices) written at their own offsets: a tensor never has to be in memory
+    whole. Each tensor's rows must arrive in order with exactly the declared dtype and
+    trailing shape; ``close`` refuses to finish a file with any row missing.
     """
 
     def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: Optional[Dict[str, str]] = None):
         self.path = Path(path)
-        self.specs = list(specs)
+        self.specs = {spec.key: spec for spec in specs}
         header = {}
         if metadata:
             header["__metadata__"] = dict(metadata)
         offset = 0
-        for spec in self.specs:
+        offsets = {}
+        for spec in specs:
             header[spec.key] = {
                 "dtype": st_dtype_of(spec.dtype),
                 "shape": list(spec.shape),
                 "data_offsets": [offset, offset + spec.nbytes],
             }
+            offsets[spec.key] = offset
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
+        self._header = len(raw).to_bytes(8, "little") + raw
         self._file = open(self.path, "wb")
-        self._file.write(len(raw).to_bytes(8, "little"))
-        self._file.write(raw)
-        self._next = 0
-        self.size = 8 + len(raw) + offset
+        self._file.write(self._header)
+        self._file.flush()
+        data_start = len(self._header)
+        self._offset = {k: data_start + o for k, o in offsets.items()}
+        self._next_row = {k: 0 for k in self.specs}
+        self._hashes = {k: hashlib.sha256() for k in self.specs}  # rows arrive in order per tensor
+        self._unsynced = 0
+        self.size = data_start + offset
 
-    def write(self, key: str, arr: mx.array) -> None:
-        if self._next >= len(self.specs):
-            raise RuntimeError(f"{self.path.name}: unexpected extra tensor {key}")
-        spec = self.specs[self._next]
-        if key != spec.key:
-            raise RuntimeError(f"{self.path.name}: expected {spec.key}, got {key}")
-        got = (str(arr.dtype).replace("mlx.core.", ""), tuple(arr.shape))
-        if got != (spec.dtype, spec.shape):
+    @staticmethod
+    def _rows(shape: Tuple[int, ...]) -> int:
+        return shape[0] if shape else 1
+
+    def write(self, key: str, arr: mx.array, row: int = 0) -> None:
+        """Write ``arr`` as rows ``row:row + len(arr)`` of ``key`` (the whole tensor by default)."""
+        spec = self.specs.get(key)
+        if spec is None:
+            raise RuntimeError(f"{self.path.name}: unexpected tensor {key}")
+        dtype = str(arr.dtype).replace("mlx.core.", "")
+        shape = tuple(arr.shape)
+        whole = row == 0 and shape == spec.shape
+        if dtype != spec.dtype or not (whole or (spec.shape and shape[1:] == spec.shape[1:] and len(shape) == len(spec.shape))):
             raise RuntimeError(
                 f"{self.path.name}: {key} planned as {spec.dtype}{list(spec.shape)}, "
-                f"produced {got[0]}{list(got[1])}"
+                f"produced {dtype}{list(shape)}" + (f" at row {row}" if row else "")
             )
-        self._file.write(array_bytes(arr))
-        self._next += 1
+        n = self._rows(shape)
+        if row != self._next_row[key] or row + n > self._rows(spec.shape):
+            raise RuntimeError(
+                f"{self.path.name}: {key} rows {row}:{row + n} out of order "
+                f"(next expected row {self._next_row[key]} of {self._rows(spec.shape)})"
+            )
+        rows = self._rows(spec.shape)
+        position = self._offset[key] + (spec.nbytes // rows) * row if rows else self._offset[key]
+        data = array_bytes(arr)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._file.fileno(), data[done:], position + done)
+        self._hashes[key].update(data)
+        self._next_row[key] = row + n
+        self._unsynced += len(data)
+        if self._unsynced >= WRITEBACK_BYTES:
+            self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        """Start writing dirty pages to disk now (async), so the fsync at close has little left."""
+        self._unsynced = 0
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def digest(self) -> str:
+        """sha256 of the file in ``shard_digest``'s form, computed from the bytes as written."""
+        return _combine(self._header, (self._hashes[k] for k in self.specs))
 
     @property
     def complete(self) -> bool:
-        return self._next == len(self.specs)
+        return all(self._next_row[k] == self._rows(s.shape) for k, s in self.specs.items())
 
     def close(self) -> None:
         if self._file.closed:
             return
         try:
             if not self.complete:
-                missing = self.specs[self._next].key
+                missing = next(k for k, s in self.specs.items() if self._next_row[k] != self._rows(s.shape))
                 raise RuntimeError(f"{self.path.name}: closed before {missing} was written")
-            self._file.flush()
+            os.ftruncate(self._file.fileno(), self.size)  # exact length even if the last tensor is empty
             os.fsync(self._file.fileno())
         finally:
             self._file.close()
 
     def abort(self) -> None:
         self._file.close()
+
+
+def _combine(header: bytes, tensor_hashes) -> str:
+    h = hashlib.sha256(header)
+    for t in tensor_hashes:
+        h.update(t.digest())
+    return h.hexdigest()
+
+
+def shard_digest(path: Path, chunk: int = 1 << 24) -> str:
+    """sha256 over the header and each tensor's own sha256, in file order.
+
+    The same value ``StreamingShardWriter.digest`` computes while writing row blocks
+    out of file order, so a finished shard is hashed without being read back.
+    """
+    header = read_header(path)
+    with open(path, "rb") as f:
+        prefix = f.read(header.data_start)
+        hashes = []
+        for t in sorted(header.tensors.values(), key=lambda t: (t.start, t.end)):
+            h = hashlib.sha256()
+            f.seek(t.start)
+            left = t.nbytes
+            while left:
+                block = f.read(min(chunk, left))
+                if not block:
+                    raise SafetensorsError("file ends inside a tensor", file=path, key=t.key)
+                h.update(block)
+                left -= len(block)
+            hashes.append(h)
+    return _combine(prefix, hashes)
 
 
 def read_all(path: Path) -> Dict[str, mx.array]:

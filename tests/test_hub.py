@@ -200,3 +200,101 @@ def test_silent_hub_times_out_with_a_clear_error(tmp_path, monkeypatch):
         silent.close()
     assert result.exit_code != 0 and "could not reach the Hub" in result.output, result.output
     assert time.monotonic() - t0 < 30 and not (tmp_path / "out").exists()
+
+
+def reshard(src, dst, n):
+    """Split a checkpoint into ``n`` Qwen3.5-named shards of consecutive keys, as the Hub's releases are
+    (MoE expert groups may straddle a boundary)."""
+    from mtpconvert.safetensors_io import read_all, write_all
+
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors"):
+            shutil.copy(p, dst / p.name)
+    tensors = {}
+    for p in sorted(src.glob("*.safetensors")):
+        tensors.update(read_all(p))
+    keys, total = sorted(tensors), sum(t.nbytes for t in tensors.values())
+    weight_map, chunk, size, i = {}, {}, 0, 1
+    for k in keys:
+        chunk[k] = tensors[k]
+        size += tensors[k].nbytes
+        if size >= total * i / n or k == keys[-1]:
+            name = f"model.safetensors-{i:05d}-of-{n:05d}.safetensors"
+            write_all(dst / name, chunk, {"format": "pt"})
+            weight_map.update({key: name for key in chunk})
+            chunk, i = {}, i + 1
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch):
+    """--stream: same bytes as a plain pull, each shard fetched once and deleted after use,
+    raw data on disk never above the two largest shards."""
+    from checkpoints import build
+
+    from mtpconvert import hub as hub_mod
+
+    src = reshard(build(tmp_path / "one", moe=True, experts="published35", dtype="bfloat16", seed=3).path,
+                  tmp_path / "five", 5)
+    hub.add_folder("Qwen/Five", src)
+    shard_sizes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert len(shard_sizes) == 5
+    stage = tmp_path / ".streamed.stream"
+    usage = []
+
+    def on_disk() -> int:  # allocated bytes, so the sparse header stubs count only their header
+        return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
+
+    real_fetch, real_release = hub_mod.fetch_file, None
+    from mtpconvert import streaming
+
+    real_release = streaming.ShardStream.release
+
+    def fetch(plan, name, dest, **kw):
+        real_fetch(plan, name, dest, **kw)
+        usage.append(on_disk())
+
+    def release(self, stub):
+        real_release(self, stub)
+        usage.append(on_disk())
+
+    monkeypatch.setattr(hub_mod, "fetch_file", fetch)
+    monkeypatch.setattr(streaming.ShardStream, "release", release)
+    args = ["--bits", "4", "--group-size", "32", "--no-smoke", "--max-shard-size", "0.00003"]
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Five", str(tmp_path / "streamed"), "--stream", *args])
+    assert result.exit_code == 0, result.output
+    whole = [r for r in hub.log if r.method == "GET" and r.range is None and r.path.endswith(".safetensors")]
+    assert sorted(r.path.rsplit("/", 1)[-1] for r in whole) == sorted(p.name for p in src.glob("*.safetensors"))
+    stubs = 5 * 8192  # each stub's header, rounded up to filesystem blocks
+    assert usage and max(usage) <= shard_sizes[-1] + shard_sizes[-2] + stubs, (usage, shard_sizes)
+    assert max(usage) > shard_sizes[0]  # the measurement saw real shards
+    assert not stage.exists()
+
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Five", str(tmp_path / "plain"), *args])
+    assert result.exit_code == 0, result.output
+    plain = {p.name: p.read_bytes() for p in (tmp_path / "plain").glob("*.safetensors")}
+    streamed = {p.name: p.read_bytes() for p in (tmp_path / "streamed").glob("*.safetensors")}
+    assert len(plain) > 1 and streamed == plain
+
+
+def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkeypatch):
+    """A shard that cannot be fetched mid-conversion (here: gone from the repository after the plan
+    was made) fails the run with its name; no OUT, no partial folder, no staged shards are left."""
+    from mtpconvert import hub as hub_mod
+
+    repo = hub.repos["Qwen/Tiny-MoE"]
+    victim = sorted(n for n in repo.files if n.endswith(".safetensors"))[-1]
+    real_stubs = hub_mod.fetch_stubs
+
+    def stubs_then_vanish(*a, **kw):
+        folder = real_stubs(*a, **kw)
+        del repo.files[victim]
+        return folder
+
+    monkeypatch.setattr(hub_mod, "fetch_stubs", stubs_then_vanish)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MoE", str(out), "--stream", "--no-smoke"])
+    assert result.exit_code != 0
+    assert victim in result.output
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == []

@@ -113,10 +113,10 @@ def test_sigterm_on_a_real_process_leaves_nothing_at_out(raw_checkpoints, tmp_pa
     code = f"""
 import sys, time
 from mtpconvert import execute as ex
-real = ex.produce
+real = ex.produce_block
 def slow(*a, **k):
     print("writing", flush=True); time.sleep(0.2); return real(*a, **k)
-ex.produce = slow
+ex.produce_block = slow
 from mtpconvert.cli import app
 sys.argv = ["mtpconvert", "convert", {str(src)!r}, {str(out)!r}, "--no-smoke"]
 app()
@@ -139,11 +139,11 @@ def test_disk_full_gives_clear_error_and_removes_temp(raw_checkpoints, tmp_path,
 
     real_write, calls = safetensors_io.StreamingShardWriter.write, []
 
-    def full(self, key, arr):
+    def full(self, key, arr, row=0):
         calls.append(key)
         if len(calls) == 5:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(self, key, arr)
+        return real_write(self, key, arr, row)
 
     monkeypatch.setattr(safetensors_io.StreamingShardWriter, "write", full)
     out = tmp_path / "out"
