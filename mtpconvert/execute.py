@@ -16,6 +16,7 @@ import os
 import shutil
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
@@ -84,32 +85,56 @@ def compute_streams(workers: Optional[int] = None) -> List[mx.Stream]:
     return _STREAMS[key]
 
 
+WRITE_AHEAD = 4  # evaluated blocks queued for the writer thread at most
+
+
+def _write_block(writer: StreamingShardWriter, block: Block, outs: List[mx.array]) -> None:
+    for spec, arr in zip(block.item.outputs(), outs):
+        writer.write(spec.key, arr, block.start)
+
+
 def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader, writer: StreamingShardWriter,
                  streams: List[mx.Stream], on_item: Callable[[PlanItem], None]) -> None:
-    """Produce and write ``blocks`` in order, ``len(streams)`` of them being evaluated at any time.
+    """Produce and write ``blocks``, ``len(streams)`` of them being evaluated at any time.
 
-    The main thread builds block k+n (copying its source rows) while blocks k..k+n-1 run
-    on their streams, then writes block k at its offset; ``on_item`` runs after an item's
-    last block is written.
+    Three things overlap: the main thread copies block k+n out of the source mapping while
+    blocks k..k+n-1 run on their streams, and a writer thread hashes and writes evaluated
+    blocks at their offsets (hashlib and pwrite release the GIL). ``on_item`` runs on the
+    main thread once an item's last block is on disk.
     """
-    pending: deque = deque()
+    computing: deque = deque()  # (block, outs) scheduled on the streams
+    writing: deque = deque()  # (block, future) handed to the writer thread
 
-    def flush() -> None:
-        block, outs = pending.popleft()
-        for spec, arr in zip(block.item.outputs(), outs):
-            writer.write(spec.key, arr, block.start)
+    def finish_write() -> None:
+        block, future = writing.popleft()
+        future.result()  # re-raises the writer's error (disk full, ...) here
         if block.last:
             on_item(block.item)
 
-    for k, block in enumerate(blocks):
-        with mx.stream(streams[k % len(streams)]):
-            outs = produce_block(block, ckpt, reader)
-        mx.async_eval(*outs)
-        pending.append((block, outs))
-        if len(pending) > len(streams):
-            flush()
-    while pending:
-        flush()
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
+        def hand_over() -> None:
+            block, outs = computing.popleft()
+            mx.eval(*outs)  # wait here: the writer thread only reads finished arrays
+            writing.append((block, pool.submit(_write_block, writer, block, outs)))
+            while len(writing) > WRITE_AHEAD:
+                finish_write()
+
+        try:
+            for k, block in enumerate(blocks):
+                with mx.stream(streams[k % len(streams)]):
+                    outs = produce_block(block, ckpt, reader)
+                mx.async_eval(*outs)
+                computing.append((block, outs))
+                if len(computing) > len(streams):
+                    hand_over()
+            while computing:
+                hand_over()
+            while writing:
+                finish_write()
+        except BaseException:
+            for _, future in writing:
+                future.cancel()
+            raise
 
 
 def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
