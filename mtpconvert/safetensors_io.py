@@ -383,13 +383,12 @@ class StreamingShardWriter:
                 f"{self.path.name}: {key} planned as {spec.dtype}{list(spec.shape)}, "
                 f"produced {dtype}{list(shape)}" + (f" at row {row}" if row else "")
             )
-        n = self._rows(shape)
-        if row != self._next_row[key] or row + n > self._rows(spec.shape):
+        n, rows = self._rows(shape), self._rows(spec.shape)
+        if row != self._next_row[key] or row + n > rows:
             raise RuntimeError(
                 f"{self.path.name}: {key} rows {row}:{row + n} out of order "
-                f"(next expected row {self._next_row[key]} of {self._rows(spec.shape)})"
+                f"(next expected row {self._next_row[key]} of {rows})"
             )
-        rows = self._rows(spec.shape)
         position = self._offset[key] + (spec.nbytes // rows) * row if rows else self._offset[key]
         data = array_bytes(arr)
         done = 0

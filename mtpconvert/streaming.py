@@ -37,7 +37,6 @@ class ShardStream:
         self._threads: List[threading.Thread] = []
         self.present_bytes = 0
         self.peak_bytes = 0  # most downloaded raw bytes on disk at once
-        self.events: List[tuple] = []  # (event, shard name, raw bytes on disk after it)
 
     # -- called by the reader
     def ensure(self, stub: Path) -> None:
@@ -65,7 +64,6 @@ class ShardStream:
             stub.unlink()
             self._state[stub] = "released"
             self.present_bytes -= size
-            self.events.append(("delete", stub.name, self.present_bytes))
             self._prefetch()
 
     def close(self) -> None:
@@ -104,7 +102,6 @@ class ShardStream:
                 self._state[stub] = "ready"
                 self.present_bytes += stub.stat().st_size
                 self.peak_bytes = max(self.peak_bytes, self.present_bytes)
-                self.events.append(("download", stub.name, self.present_bytes))
             self._lock.notify_all()
 
 
