@@ -216,3 +216,13 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end(weak):
     stat, df = chi2_stat(counts, marginal / marginal.sum())
     assert rejected > 50, "the test must exercise rejections"
     assert stat < chi2_critical(df), (stat, df)
+
+
+def test_rollback_refuses_a_pass_longer_than_max_pass(good):
+    _, m = good
+    enable_rollback(m.model)
+    cache = make_rollback_cache(m.model, max_pass=2)
+    backbone_forward(m, mx.array([[1, 2, 3]]), cache)  # like a prefill: not kept undoable
+    rollback(cache, keep=3, length=3)  # keeping everything needs nothing
+    with pytest.raises(ValueError, match="max_pass"):
+        rollback(cache, keep=2, length=3)

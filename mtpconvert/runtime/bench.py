@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 from .load import MTPModel, load
-from .rollback import enable_rollback, make_rollback_cache, rollback
+from .rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
 from .sampling import Sampling
 from .smoke import encode_prompts
 from .speculative import DecodeStats, backbone_forward, mtp_generate, plain_generate
@@ -30,7 +31,8 @@ class StepCosts:
 
     context: int
     decode_1: float  # plain one-token backbone step (stock forward)
-    verify: float  # (depth+1)-token backbone pass with state recording, then rollback
+    verify: float  # (depth+1)-token backbone pass + logits, every draft accepted (nothing to undo)
+    undo: float  # extra for a rejection: linear-attention states recomputed for the kept prefix
     head: float  # one MTP head step (fc + decoder layer + lm_head)
     depth: int
 
@@ -42,14 +44,23 @@ class StepCosts:
     def delta(self) -> float:
         return self.depth * self.head / self.decode_1
 
-    def predicted_speedup(self, tokens_per_step: float) -> float:
-        return tokens_per_step / (self.beta + self.delta)
+    @property
+    def rho(self) -> float:
+        return self.undo / self.decode_1
+
+    def step_cost(self, reject_share: float) -> float:
+        """Predicted MTP step in decode steps, when ``reject_share`` of steps reject a draft."""
+        return self.beta + self.delta + reject_share * self.rho
+
+    def predicted_speedup(self, tokens_per_step: float, reject_share: float) -> float:
+        return tokens_per_step / self.step_cost(reject_share)
 
     def to_json(self) -> dict:
         return {
             "context": self.context, "depth": self.depth,
             "decode_1_ms": round(1e3 * self.decode_1, 3), "verify_ms": round(1e3 * self.verify, 3),
-            "head_ms": round(1e3 * self.head, 3), "beta": round(self.beta, 3), "delta": round(self.delta, 3),
+            "undo_ms": round(1e3 * self.undo, 3), "head_ms": round(1e3 * self.head, 3),
+            "beta": round(self.beta, 3), "delta": round(self.delta, 3), "rho": round(self.rho, 3),
         }
 
 
@@ -66,12 +77,19 @@ class BenchRow:
         return self.mtp.decode_tps / self.plain.decode_tps if self.plain.decode_tps else 0.0
 
     @property
+    def reject_share(self) -> float:
+        """Share of steps that rejected a draft (and so paid for an undo)."""
+        if not self.mtp.steps:
+            return 0.0
+        return 1 - self.mtp.accepted[self.depth - 1] / self.mtp.steps
+
+    @property
     def overhead(self) -> Optional[float]:
-        """Share of an MTP step not spent in the verify pass and head calls (Python, syncs, sampling)."""
+        """Share of an MTP step not spent in the verify pass, head calls and undos (Python, syncs, sampling)."""
         if not self.costs or not self.mtp.steps:
             return None
         step = self.mtp.decode_s / self.mtp.steps
-        return max(0.0, 1 - (self.costs.verify + self.depth * self.costs.head) / step)
+        return max(0.0, 1 - self.costs.step_cost(self.reject_share) * self.costs.decode_1 / step)
 
     def to_json(self) -> dict:
         out = {
@@ -80,7 +98,9 @@ class BenchRow:
         }
         if self.costs:
             out["costs"] = self.costs.to_json()
-            out["predicted_speedup"] = round(self.costs.predicted_speedup(self.mtp.tokens_per_step), 3)
+            out["reject_share"] = round(self.reject_share, 4)
+            out["predicted_speedup"] = round(
+                self.costs.predicted_speedup(self.mtp.tokens_per_step, self.reject_share), 3)
             out["loop_overhead"] = round(self.overhead, 3)
         return out
 
@@ -113,35 +133,55 @@ def _timed(fn: Callable[[], object], n: int) -> float:
 
 
 def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int = 20) -> StepCosts:
-    """Time one decode step, one verify pass (+rollback) and one head step at a fixed context."""
+    """Time one decode step, one verify pass, its undo and one head step at a fixed context.
+
+    After each timed call the caches return to the context: KV caches are trimmed and the
+    linear-attention states are set back to the arrays they held before (no compute).
+    """
     enable_rollback(m.model)
     ctx = mx.array([list(context)])
     tok = ctx[:, -1:]
 
     plain_cache = m.model.make_cache()
     mx.eval(m.model(ctx, cache=plain_cache))
+    plain_saved = [(c[0], c[1]) if isinstance(c, ArraysCache) else None for c in plain_cache]
 
     def decode_1():
         out = m.model(tok, cache=plain_cache)
-        for c in plain_cache:
-            if hasattr(c, "trim"):
+        mx.eval(out)
+        for c, s in zip(plain_cache, plain_saved):
+            if s is None:
                 c.trim(1)
-        return out  # linear-attention state advances; cost is what matters here
+            else:
+                c[0], c[1] = s
+        return out
 
-    cache = make_rollback_cache(m.model)
+    cache = make_rollback_cache(m.model, max_pass=depth + 1)
     pre, post = backbone_forward(m, ctx, cache)
     mx.eval(post)
+    saved = [(c[0], c[1]) if isinstance(c, RollbackArraysCache) else None for c in cache]
     verify_in = mx.repeat(tok, depth + 1, axis=1)
 
+    def restore(trim: int) -> None:
+        for c, s in zip(cache, saved):
+            if s is None:
+                c.trim(trim)
+            else:
+                c[0], c[1] = s
+
     def verify():
-        states = backbone_forward(m, verify_in, cache)
-        logits = m.logits(states[1])
+        logits = m.logits(backbone_forward(m, verify_in, cache)[1])
         mx.eval(logits)
-        rollback(cache, keep=1, length=depth + 1)
-        for c in cache:  # return the kept token too, so the context stays fixed
-            if hasattr(c, "trim"):
-                c.trim(1)
+        restore(depth + 1)
         return logits
+
+    def verify_reject():  # keep 1 of depth+1: the largest undo
+        logits = m.logits(backbone_forward(m, verify_in, cache)[1])
+        rollback(cache, keep=1, length=depth + 1)
+        out = [logits] + [c[1] for c in cache if isinstance(c, RollbackArraysCache)]
+        mx.eval(out)
+        restore(1)
+        return out
 
     head_cache = m.head.make_cache()
     mx.eval(m.head(post, m.embed(ctx), head_cache))
@@ -152,7 +192,9 @@ def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int =
         head_cache[0].trim(1)
         return m.logits(x)
 
-    return StepCosts(len(context), _timed(decode_1, n), _timed(verify, n), _timed(head, n), depth)
+    t_verify = _timed(verify, n)
+    t_undo = max(0.0, _timed(verify_reject, n) - t_verify)
+    return StepCosts(len(context), _timed(decode_1, n), t_verify, t_undo, _timed(head, n), depth)
 
 
 def bench(
@@ -165,13 +207,19 @@ def bench(
     seed: int = 0,
     model: Optional[MTPModel] = None,
     on_tokens: Optional[Callable[[int], None]] = None,
+    prompt_ids: Optional[Sequence[Sequence[int]]] = None,
 ) -> BenchResult:
+    """``prompt_ids`` replaces ``prompts`` with token ids (a folder with no tokenizer, e.g. random weights)."""
     m = model or load(path)
-    encoded = encode_prompts(path, prompts)
+    encoded = [list(p) for p in prompt_ids] if prompt_ids is not None else encode_prompts(path, prompts)
     result = BenchResult(str(path), sampling, max_tokens, len(encoded))
-    # warm-up: compile kernels and touch the weights once for both decoders
-    plain_generate(m, encoded[0], 8, sampling, seed)
-    mtp_generate(m, encoded[0], 8, max(depths), sampling, hiddens[0], seed)
+    # Warm-up: one untimed run of every workload. Kernels are compiled per shape (the CUDA
+    # backend's JIT takes ~0.1 s each), and a depth-k decode meets pass lengths 1..k+1 and
+    # every prompt's prefill length: a short warm-up left compiles in the first timed row.
+    for i, ids in enumerate(encoded):
+        plain_generate(m, ids, max_tokens, sampling, seed + i)
+        for depth in depths:
+            mtp_generate(m, ids, max_tokens, depth, sampling, hiddens[0], seed + i)
     for hidden in hiddens:
         for depth in depths:
             row = BenchRow(hidden, depth, DecodeStats(depth=depth), DecodeStats())

@@ -52,6 +52,8 @@ def _mtp_weights(path: Path) -> Dict[str, mx.array]:
 
 def load(path: Path, lazy: bool = False) -> MTPModel:
     path = Path(path)
+    if not (path / "config.json").is_file():
+        raise LayoutError("not a converted model folder: no config.json", file=path)
     model, config = load_model(path, lazy=lazy)
     tc = config.get("text_config", config)
     n = int(tc.get("mtp_num_hidden_layers", 0) or 0)

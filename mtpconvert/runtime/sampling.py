@@ -67,7 +67,8 @@ def accept_drafts(
     """Decide k drafts against the target.
 
     p: target distributions [k+1, V] (position i verifies draft i; row k gives the bonus);
-    q: draft distributions [k, V]; drafts: [k] int.
+    q: draft distributions [k, V]; drafts: [k] int. Greedy needs only argmaxes: p may be
+    the target logits and q is unused.
     Returns (n_accepted scalar, next_tokens [k+1]) where next_tokens[n_accepted] is the
     token emitted after the accepted drafts (a resample or the bonus).
     """

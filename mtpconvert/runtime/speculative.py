@@ -29,7 +29,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from .load import MTPModel
 from .rollback import enable_rollback, make_rollback_cache, rollback
-from .sampling import Sampling, accept_drafts
+from .sampling import Sampling, accept_drafts, categorical
 
 
 @dataclass
@@ -156,7 +156,7 @@ def mtp_generate(
     enable_rollback(m.model)
     keys = _seed_keys(seed)
     stats = DecodeStats(depth=depth, prompt_tokens=len(prompt), proposed=[0] * depth, accepted=[0] * depth)
-    cache = make_rollback_cache(m.model)
+    cache = make_rollback_cache(m.model, max_pass=depth + 1)
     mtp_cache = m.head.make_cache()
     pick = 0 if hidden == "pre-norm" else 1
 
@@ -181,15 +181,22 @@ def mtp_generate(
             if j:
                 x = m.head(x, m.embed(drafts[-1][None]), mtp_cache)
             q_logits = m.logits(x)[:, -1]
-            q_rows.append(sampling.probs(q_logits))
-            drafts.append(sampling.sample(q_logits, next(keys)))
+            key = next(keys)
+            if sampling.greedy:  # greedy acceptance compares argmaxes; no distributions needed
+                drafts.append(mx.argmax(q_logits, axis=-1))
+            else:
+                q_rows.append(sampling.probs(q_logits))
+                drafts.append(categorical(q_rows[-1], key))
         draft_arr = mx.concatenate(drafts)  # [k]
         # 2. verify [t_N, d_1..d_k]
         verify_in = mx.concatenate([tok, draft_arr])[None]
         states = backbone_forward(m, verify_in, cache)
-        p = sampling.probs(m.logits(states[1])[0])  # [k+1, V]
+        target = m.logits(states[1])[0]  # [k+1, V]
         # 3. decide
-        n_acc, next_tokens = accept_drafts(p, mx.concatenate(q_rows), draft_arr, sampling.greedy, next(keys))
+        if sampling.greedy:
+            n_acc, next_tokens = accept_drafts(target, None, draft_arr, True)
+        else:
+            n_acc, next_tokens = accept_drafts(sampling.probs(target), mx.concatenate(q_rows), draft_arr, False, next(keys))
         mx.eval(n_acc, next_tokens, draft_arr)
         a = int(n_acc.item())
         new = draft_arr[:a].tolist() + [int(next_tokens[a].item())]
