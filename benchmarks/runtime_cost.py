@@ -31,16 +31,6 @@ def implied_speedup(beta: float, delta: float, rho: float, alpha: float, depth: 
     return sum(alpha ** i for i in range(depth + 1)) / (beta + delta + (1 - alpha ** depth) * rho)
 
 
-def _time(fn, n: int = 20) -> float:
-    import mlx.core as mx
-
-    mx.eval(fn())
-    t0 = time.perf_counter()
-    for _ in range(n):
-        mx.eval(fn())
-    return (time.perf_counter() - t0) / n
-
-
 def stock_forward_ms(m, context, max_tokens: int) -> dict:
     """mlx-lm's own forward of 1..max_tokens tokens at a fixed context: the floor for beta.
 
@@ -48,11 +38,12 @@ def stock_forward_ms(m, context, max_tokens: int) -> dict:
     kernels for more than one row, not from the runtime's state recording.
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache
+
+    from mtpconvert.runtime.bench import context_restorer, timed
 
     cache = m.model.make_cache()
     mx.eval(m.model(mx.array([list(context)]), cache=cache))
-    saved = [(c[0], c[1]) if isinstance(c, ArraysCache) else None for c in cache]
+    restore = context_restorer(cache)
     out = {}
     for n in range(1, max_tokens + 1):
         toks = mx.array([list(context[-n:])])
@@ -60,14 +51,10 @@ def stock_forward_ms(m, context, max_tokens: int) -> dict:
         def step():
             logits = m.model(toks, cache=cache)
             mx.eval(logits)
-            for c, s in zip(cache, saved):
-                if s is None:
-                    c.trim(n)
-                else:
-                    c[0], c[1] = s
+            restore(n)
             return logits
 
-        out[n] = round(1e3 * _time(step), 3)
+        out[n] = round(1e3 * timed(step, 20), 3)
     return out
 
 
@@ -75,6 +62,8 @@ def quantized_matmul_ms(m, max_rows: int) -> dict:
     """One of the model's largest quantized projections applied to 1..max_rows rows."""
     import mlx.core as mx
     import mlx.nn as nn
+
+    from mtpconvert.runtime.bench import timed
 
     layers = [mod for _, mod in m.model.named_modules() if isinstance(mod, nn.QuantizedLinear)]
     if not layers:
@@ -86,7 +75,7 @@ def quantized_matmul_ms(m, max_rows: int) -> dict:
     for rows in range(1, max_rows + 1):
         x = mx.random.normal((1, rows, in_dims)).astype(mx.bfloat16)
         fn = lambda: [big(x) for _ in range(10)]  # noqa: E731
-        out[rows] = round(1e3 * _time(fn) / 10, 4)
+        out[rows] = round(1e3 * timed(fn, 20) / 10, 4)
     return out
 
 

@@ -15,7 +15,7 @@ from typing import List
 import mlx.core as mx
 
 from .plan import PlanItem
-from .safetensors_io import TensorReader
+from .safetensors_io import TensorReader, leading_rows
 from .source import Checkpoint
 from .transforms import apply_steps, gather
 
@@ -37,8 +37,7 @@ class Block:
 
 
 def rows(item: PlanItem) -> int:
-    shape = item.slot.shape
-    return shape[0] if shape else 1
+    return leading_rows(item.slot.shape)
 
 
 def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Block]:

@@ -193,6 +193,11 @@ def _tensor_info(path: Path, key: str, entry, data_start: int, data_len: int) ->
     return TensorInfo(key, dtype, tuple(shape), path, data_start + begin, data_start + end)
 
 
+def leading_rows(shape: Sequence[int]) -> int:
+    """Rows along the leading axis, the unit of block reads and writes (a scalar is one row)."""
+    return shape[0] if shape else 1
+
+
 def _advise(mm: mmap.mmap, advice_name: str, start: int, end: int) -> None:
     """madvise a byte range of a mapping, where the platform has that advice (a hint: errors ignored)."""
     advice = getattr(mmap, advice_name, None)
@@ -227,7 +232,7 @@ class TensorReader:
         self._on_open, self._on_release = on_open, on_release
 
     def read(self, info: TensorInfo) -> mx.array:
-        return self.read_rows(info, 0, info.shape[0] if info.shape else 1)
+        return self.read_rows(info, 0, leading_rows(info.shape))
 
     def read_rows(self, info: TensorInfo, start: int, stop: int,
                   part: Optional[Tuple[int, int]] = None) -> mx.array:
@@ -239,7 +244,7 @@ class TensorReader:
         gate_up), gathered on the numpy side where a strided copy is cheap.
         """
         np_dtype, mx_dtype, itemsize = DTYPES[info.dtype]
-        rows = info.shape[0] if info.shape else 1
+        rows = leading_rows(info.shape)
         if not 0 <= start <= stop <= rows:
             raise ValueError(f"{info.key}: rows {start}:{stop} outside {rows}")
         shape = (stop - start, *info.shape[1:]) if info.shape else ()
@@ -366,10 +371,6 @@ class StreamingShardWriter:
         self._unsynced = 0
         self.size = data_start + offset
 
-    @staticmethod
-    def _rows(shape: Tuple[int, ...]) -> int:
-        return shape[0] if shape else 1
-
     def write(self, key: str, arr: mx.array, row: int = 0) -> None:
         """Write ``arr`` as rows ``row:row + len(arr)`` of ``key`` (the whole tensor by default)."""
         spec = self.specs.get(key)
@@ -383,7 +384,7 @@ class StreamingShardWriter:
                 f"{self.path.name}: {key} planned as {spec.dtype}{list(spec.shape)}, "
                 f"produced {dtype}{list(shape)}" + (f" at row {row}" if row else "")
             )
-        n, rows = self._rows(shape), self._rows(spec.shape)
+        n, rows = leading_rows(shape), leading_rows(spec.shape)
         if row != self._next_row[key] or row + n > rows:
             raise RuntimeError(
                 f"{self.path.name}: {key} rows {row}:{row + n} out of order "
@@ -412,14 +413,14 @@ class StreamingShardWriter:
 
     @property
     def complete(self) -> bool:
-        return all(self._next_row[k] == self._rows(s.shape) for k, s in self.specs.items())
+        return all(self._next_row[k] == leading_rows(s.shape) for k, s in self.specs.items())
 
     def close(self) -> None:
         if self._file.closed:
             return
         try:
             if not self.complete:
-                missing = next(k for k, s in self.specs.items() if self._next_row[k] != self._rows(s.shape))
+                missing = next(k for k, s in self.specs.items() if self._next_row[k] != leading_rows(s.shape))
                 raise RuntimeError(f"{self.path.name}: closed before {missing} was written")
             os.ftruncate(self._file.fileno(), self.size)  # exact length even if the last tensor is empty
             os.fsync(self._file.fileno())

@@ -124,7 +124,26 @@ class BenchResult:
         }
 
 
-def _timed(fn: Callable[[], object], n: int) -> float:
+def context_restorer(cache: list) -> Callable[[int], None]:
+    """``restore(n)`` puts ``cache`` back where it is now, after a pass of ``n`` tokens.
+
+    KV caches drop the pass's ``n`` rows; linear-attention caches get back the (conv window,
+    SSM state) arrays they hold now, so timing a pass repeatedly needs no recompute.
+    """
+    saved = [(c[0], c[1]) if isinstance(c, ArraysCache) else None for c in cache]
+
+    def restore(n: int) -> None:
+        for c, s in zip(cache, saved):
+            if s is None:
+                c.trim(n)
+            else:
+                c[0], c[1] = s
+
+    return restore
+
+
+def timed(fn: Callable[[], object], n: int) -> float:
+    """Seconds per call of ``fn`` (its result evaluated), after one untimed call."""
     mx.eval(fn())
     t0 = time.perf_counter()
     for _ in range(n):
@@ -144,30 +163,19 @@ def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int =
 
     plain_cache = m.model.make_cache()
     mx.eval(m.model(ctx, cache=plain_cache))
-    plain_saved = [(c[0], c[1]) if isinstance(c, ArraysCache) else None for c in plain_cache]
+    plain_restore = context_restorer(plain_cache)
 
     def decode_1():
         out = m.model(tok, cache=plain_cache)
         mx.eval(out)
-        for c, s in zip(plain_cache, plain_saved):
-            if s is None:
-                c.trim(1)
-            else:
-                c[0], c[1] = s
+        plain_restore(1)
         return out
 
     cache = make_rollback_cache(m.model, max_pass=depth + 1)
     pre, post = backbone_forward(m, ctx, cache)
     mx.eval(post)
-    saved = [(c[0], c[1]) if isinstance(c, RollbackArraysCache) else None for c in cache]
+    restore = context_restorer(cache)
     verify_in = mx.repeat(tok, depth + 1, axis=1)
-
-    def restore(trim: int) -> None:
-        for c, s in zip(cache, saved):
-            if s is None:
-                c.trim(trim)
-            else:
-                c[0], c[1] = s
 
     def verify():
         logits = m.logits(backbone_forward(m, verify_in, cache)[1])
@@ -192,9 +200,9 @@ def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int =
         head_cache[0].trim(1)
         return m.logits(x)
 
-    t_verify = _timed(verify, n)
-    t_undo = max(0.0, _timed(verify_reject, n) - t_verify)
-    return StepCosts(len(context), _timed(decode_1, n), t_verify, t_undo, _timed(head, n), depth)
+    t_verify = timed(verify, n)
+    t_undo = max(0.0, timed(verify_reject, n) - t_verify)
+    return StepCosts(len(context), timed(decode_1, n), t_verify, t_undo, timed(head, n), depth)
 
 
 def bench(

@@ -16,13 +16,34 @@ every prefill token; on a launch-bound GPU that made a 2-token verify 1.6 decode
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
+
+
+class LinearPass(NamedTuple):
+    """What went into one linear-attention pass: enough to recompute its state at any prefix."""
+
+    layer: GatedDeltaNet
+    conv_input: mx.array  # [B, K-1 + S, C]: the conv window before the pass, then the S inputs
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    a: mx.array
+    b: mx.array
+    state: Optional[mx.array]  # SSM state before the pass
+    mask: Optional[mx.array]
+
+    def prefix(self, keep: int) -> "LinearPass":
+        """The same pass, as if it had been only its first ``keep`` tokens."""
+        cut = lambda x: None if x is None else x[:, :keep]  # noqa: E731
+        n_window = self.layer.conv_kernel_size - 1
+        return self._replace(conv_input=self.conv_input[:, : keep + n_window], q=cut(self.q), k=cut(self.k),
+                             v=cut(self.v), a=cut(self.a), b=cut(self.b), mask=cut(self.mask))
 
 
 class RollbackArraysCache(ArraysCache):
@@ -35,10 +56,10 @@ class RollbackArraysCache(ArraysCache):
     def __init__(self, max_pass: int = 16):
         super().__init__(size=2)
         self.max_pass = max_pass
-        self.last_pass: Optional[tuple] = None  # (layer, conv_input, q, k, v, a, b, state before, mask)
+        self.last_pass: Optional[LinearPass] = None
         self.pass_length = 0
 
-    def record(self, last_pass: tuple, length: int) -> None:
+    def record(self, last_pass: LinearPass, length: int) -> None:
         self.last_pass = last_pass if length <= self.max_pass else None
         self.pass_length = length
 
@@ -49,15 +70,11 @@ class RollbackArraysCache(ArraysCache):
         if keep < self.pass_length:
             if self.last_pass is None:
                 raise ValueError(f"a {self.pass_length}-token pass is longer than max_pass={self.max_pass}: not undoable")
-            layer, conv_input, q, k, v, a, b, state, mask = self.last_pass
-            n_keep = layer.conv_kernel_size - 1
-            _, state = gated_delta_update(
-                q[:, :keep], k[:, :keep], v[:, :keep], a[:, :keep], b[:, :keep], layer.A_log, layer.dt_bias,
-                state, None if mask is None else mask[:, :keep], use_kernel=not layer.training,
-            )
-            self[0], self[1] = conv_input[:, keep: keep + n_keep], state
-            self.last_pass = (layer, conv_input[:, : keep + n_keep], q[:, :keep], k[:, :keep], v[:, :keep],
-                              a[:, :keep], b[:, :keep], self.last_pass[7], None if mask is None else mask[:, :keep])
+            p = self.last_pass.prefix(keep)
+            _, state = gated_delta_update(p.q, p.k, p.v, p.a, p.b, p.layer.A_log, p.layer.dt_bias, p.state, p.mask,
+                                          use_kernel=not p.layer.training)
+            self[0], self[1] = p.conv_input[:, keep:], state
+            self.last_pass = p
         self.pass_length = keep
 
 
@@ -95,7 +112,7 @@ class RecordingGatedDeltaNet(GatedDeltaNet):
         out, state = gated_delta_update(
             q, k, v, a, b, self.A_log, self.dt_bias, state_before, mask, use_kernel=not self.training,
         )
-        cache.record((self, conv_input, q, k, v, a, b, state_before, mask), S)
+        cache.record(LinearPass(self, conv_input, q, k, v, a, b, state_before, mask), S)
         cache[0], cache[1] = mx.contiguous(conv_input[:, -n_keep:]), state
         cache.advance(S)
 
