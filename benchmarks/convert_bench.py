@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 WRAPPER = r"""
-import json, resource, sys, time
+import json, os, resource, sys, time
 t0 = time.perf_counter()
 tool, src, out, bits = sys.argv[1:5]
 if tool == "mlx_lm":
@@ -36,7 +36,12 @@ else:
         pass
 wall = time.perf_counter() - t0
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
-print(json.dumps({"wall_s": wall, "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+# mtpconvert's quantizer processes (one per core) run alongside it: count each at the largest one's peak
+workers = min(os.cpu_count() or 1, 8) if kids.ru_maxrss else 0
+print(json.dumps({"wall_s": wall, "peak_rss_kib": me.ru_maxrss + workers * kids.ru_maxrss,
+                  "peak_rss_self_kib": me.ru_maxrss, "peak_rss_worker_kib": kids.ru_maxrss, "workers": workers,
+                  "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
                   "read_bytes": int(io["read_bytes"]), "write_bytes": int(io["write_bytes"]),
                   "rchar": int(io["rchar"]), "wchar": int(io["wchar"])}))
 """

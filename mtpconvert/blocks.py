@@ -10,12 +10,14 @@ blocks, not the largest tensor, and blocks can be computed in parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import mlx.core as mx
+import numpy as np
 
+from . import npquant
 from .plan import PlanItem
-from .safetensors_io import TensorReader, leading_rows
+from .safetensors_io import BF16Bits, TensorReader, leading_rows
 from .source import Checkpoint
 from .transforms import apply_steps, gather
 
@@ -71,3 +73,57 @@ def produce(item: PlanItem, ckpt: Checkpoint, reader: TensorReader) -> List[mx.a
     outs = produce_block(Block(item, 0, rows(item)), ckpt, reader)
     mx.eval(*outs)
     return outs
+
+
+# Steps a numpy-quantized item may have: gathers (done by viewing the source), a cast and
+# the quantization itself (both done by npquant).
+NUMPY_STEPS = ("stack_experts", "split_gate_up", "cast:", "quantize:")
+NUMPY_GATHERS = ("load", "stack") + HALVES
+
+
+def quantized_in_numpy(item: PlanItem) -> bool:
+    """Whether npquant can make this item's blocks: affine 2/4/8-bit from float sources,
+    read straight from the files. The bytes are those of ``mx.quantize``; the CPU backend
+    uses it because MLX's CPU kernel is the conversion's bottleneck."""
+    q = item.quant
+    return (q is not None and item.gather in NUMPY_GATHERS
+            and all(step.startswith(NUMPY_STEPS) for step in item.steps)
+            and len({s.dtype for s in item.sources}) == 1
+            and npquant.supports(item.sources[0].dtype, item.dtype, q.bits, q.group_size, q.mode))
+
+
+def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[int, ...]]]:
+    """(file, byte offset, shape) of each contiguous run of the block's source rows, in output row order."""
+    item, a, b = block.item, block.start, block.stop
+    if item.gather == "stack":  # one whole expert per output row
+        return [(str(info.file), info.start, info.shape) for info in (ckpt.tensors[s.key] for s in item.sources[a:b])]
+    info = ckpt.tensors[item.sources[0].key]
+    row_bytes = info.nbytes // leading_rows(info.shape)
+    if item.gather in HALVES:  # [E, 2I, H] -> the gate or up half of each expert
+        half_shape = (info.shape[1] // 2, *info.shape[2:])
+        half_bytes = row_bytes // 2
+        skip = HALVES.index(item.gather) * half_bytes
+        return [(str(info.file), info.start + e * row_bytes + skip, half_shape) for e in range(a, b)]
+    return [(str(info.file), info.start + a * row_bytes, (b - a, *info.shape[1:]))]
+
+
+def numpy_task(block: Block, ckpt: Checkpoint, reader: TensorReader) -> tuple:
+    """Arguments of ``npquant.quantize_file_rows`` for this block (picklable: a worker process
+    reads the source itself). The files are opened here first, so a streamed shard is
+    fetched before a worker needs it."""
+    item, q = block.item, block.item.quant
+    for s in item.sources[block.start:block.stop] if item.gather == "stack" else item.sources[:1]:
+        reader.ensure(ckpt.tensors[s.key].file)
+    return (_source_runs(block, ckpt), item.sources[0].dtype, item.dtype, q.bits, q.group_size)
+
+
+def numpy_outputs(block: Block, made: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> List[np.ndarray]:
+    """npquant's flat (packed bytes, scales, biases) -> the block's outputs, shaped and typed
+    as ``item.outputs()`` plans them."""
+    n = block.stop - block.start
+    packed, scales, biases = made
+    out = []
+    for spec, arr in zip(block.item.outputs(), (packed.view(np.uint32), scales, biases)):
+        arr = arr.reshape((n, *spec.shape[1:]))
+        out.append(arr.view(BF16Bits) if spec.dtype == "bfloat16" else arr)
+    return out

@@ -243,16 +243,39 @@ class TensorReader:
         ``part=(i, n)`` keeps the i-th of n equal slices of axis 1 (one half of a fused
         gate_up), gathered on the numpy side where a strided copy is cheap.
         """
-        np_dtype, mx_dtype, itemsize = DTYPES[info.dtype]
+        _, mx_dtype, _ = DTYPES[info.dtype]
+        buf = self.view_rows(info, start, stop)
+        if buf.size == 0:
+            return mx.zeros(buf.shape, dtype=mx_dtype)
+        if part is not None:
+            i, n = part
+            shape = buf.shape
+            if len(shape) < 2 or shape[1] % n:
+                raise ValueError(f"{info.key}: axis 1 of {list(info.shape)} does not split in {n}")
+            buf = np.ascontiguousarray(buf.reshape(shape[0], n, shape[1] // n, *shape[2:])[:, i])
+        arr = mx.array(buf)  # a copy: the mapped pages are no longer needed
+        del buf
+        self.drop_rows(info, start, stop)
+        if info.dtype == "BF16":
+            arr = arr.view(mx.bfloat16)
+        return arr
+
+    def view_rows(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` as a numpy view of the mapped file (bfloat16 as its uint16 bits).
+
+        No copy: the caller reads the page cache directly, then calls ``drop_rows`` and lets
+        go of the view (a file with views alive cannot be unmapped). The next rows of the
+        tensor are read ahead from disk meanwhile.
+        """
+        np_dtype, _, _ = DTYPES[info.dtype]
         rows = leading_rows(info.shape)
         if not 0 <= start <= stop <= rows:
             raise ValueError(f"{info.key}: rows {start}:{stop} outside {rows}")
         shape = (stop - start, *info.shape[1:]) if info.shape else ()
         count = math.prod(shape)
         if count == 0:
-            return mx.zeros(shape, dtype=mx_dtype)
-        row_bytes = info.nbytes // rows
-        begin, end = info.start + start * row_bytes, info.start + stop * row_bytes
+            return np.zeros(shape, dtype=np_dtype)
+        begin, end = self._byte_range(info, start, stop)
         mm = self._map(info.file)
         if info.end > len(mm):
             raise SafetensorsError(
@@ -261,20 +284,23 @@ class TensorReader:
                 file=info.file,
                 key=info.key,
             )
-        # the next block of this tensor is read from disk while this one is copied and computed
         _advise(mm, "MADV_WILLNEED", end, min(info.end, 2 * end - begin))
-        buf = np.frombuffer(mm, dtype=np_dtype, count=count, offset=begin).reshape(shape)
-        if part is not None:
-            i, n = part
-            if len(shape) < 2 or shape[1] % n:
-                raise ValueError(f"{info.key}: axis 1 of {list(info.shape)} does not split in {n}")
-            buf = np.ascontiguousarray(buf.reshape(shape[0], n, shape[1] // n, *shape[2:])[:, i])
-        arr = mx.array(buf)  # a copy: the mapped pages are no longer needed
-        del buf
-        _drop_pages(mm, begin, end)
-        if info.dtype == "BF16":
-            arr = arr.view(mx.bfloat16)
-        return arr
+        return np.frombuffer(mm, dtype=np_dtype, count=count, offset=begin).reshape(shape)
+
+    def drop_rows(self, info: TensorInfo, start: int, stop: int) -> None:
+        """Done with these rows: their file pages stop counting toward RSS."""
+        entry = self._maps.get(info.file)
+        if entry is not None and stop > start:
+            _drop_pages(entry[1], *self._byte_range(info, start, stop))
+
+    @staticmethod
+    def _byte_range(info: TensorInfo, start: int, stop: int) -> Tuple[int, int]:
+        row_bytes = info.nbytes // leading_rows(info.shape)
+        return info.start + start * row_bytes, info.start + stop * row_bytes
+
+    def ensure(self, file: Path) -> None:
+        """Make sure ``file`` is there (a streamed shard is fetched) before someone else reads it."""
+        self._map(file)
 
     def _map(self, file: Path) -> mmap.mmap:
         if file not in self._maps:
@@ -313,8 +339,24 @@ class TensorReader:
         self.close()
 
 
-def array_bytes(arr: mx.array) -> memoryview:
-    """Row-major bytes of an mlx array (bf16 goes through a uint16 view)."""
+class BF16Bits(np.ndarray):
+    """A numpy uint16 array that holds bfloat16 values (numpy has no bfloat16), so that the
+    writer checks it against a planned bfloat16 tensor."""
+
+
+def array_dtype_name(arr) -> str:
+    """'bfloat16', 'uint32', ... for an mlx array, a numpy array, or ``BF16Bits``."""
+    if isinstance(arr, BF16Bits):
+        return "bfloat16"
+    if isinstance(arr, np.ndarray):
+        return arr.dtype.name
+    return str(arr.dtype).replace("mlx.core.", "")
+
+
+def array_bytes(arr) -> memoryview:
+    """Row-major bytes of an mlx or numpy array (bf16 goes through a uint16 view)."""
+    if isinstance(arr, np.ndarray):
+        return memoryview(np.ascontiguousarray(arr.view(np.ndarray))).cast("B")
     if arr.dtype == mx.bfloat16:
         arr = arr.view(mx.uint16)
     return memoryview(np.ascontiguousarray(np.array(arr, copy=False))).cast("B")
@@ -376,7 +418,7 @@ class StreamingShardWriter:
         spec = self.specs.get(key)
         if spec is None:
             raise RuntimeError(f"{self.path.name}: unexpected tensor {key}")
-        dtype = str(arr.dtype).replace("mlx.core.", "")
+        dtype = array_dtype_name(arr)
         shape = tuple(arr.shape)
         whole = row == 0 and shape == spec.shape
         if dtype != spec.dtype or not (whole or (spec.shape and shape[1:] == spec.shape[1:] and len(shape) == len(spec.shape))):

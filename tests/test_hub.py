@@ -228,16 +228,25 @@ def reshard(src, dst, n):
     return dst
 
 
-def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantizer", ["mlx", "numpy processes"])
+def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch, quantizer):
     """--stream: same bytes as a plain pull, each shard fetched once and deleted after use,
-    raw data on disk never above the two largest shards."""
+    raw data on disk never above the two largest shards; also when worker processes read
+    the shards (each is fetched before a worker opens it)."""
     from checkpoints import build
 
+    from mtpconvert import execute as execute_mod
     from mtpconvert import hub as hub_mod
+
+    if quantizer == "mlx":
+        monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
+    else:
+        monkeypatch.setattr(execute_mod, "NUMPY_MIN_BYTES", 0)
 
     src = reshard(build(tmp_path / "one", moe=True, experts="published35", dtype="bfloat16", seed=3).path,
                   tmp_path / "five", 5)
-    hub.add_folder("Qwen/Five", src)
+    repo = "Qwen/Five-" + quantizer.split()[0]  # its own repo: the plain pull below fills the cache
+    hub.add_folder(repo, src)
     shard_sizes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
     assert len(shard_sizes) == 5
     stage = tmp_path / ".streamed.stream"
@@ -262,7 +271,7 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch)
     monkeypatch.setattr(hub_mod, "fetch_file", fetch)
     monkeypatch.setattr(streaming.ShardStream, "release", release)
     args = ["--bits", "4", "--group-size", "32", "--no-smoke", "--max-shard-size", "0.00003"]
-    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Five", str(tmp_path / "streamed"), "--stream", *args])
+    result = runner.invoke(app, ["pull-and-quantize", repo, str(tmp_path / "streamed"), "--stream", *args])
     assert result.exit_code == 0, result.output
     whole = [r for r in hub.log if r.method == "GET" and r.range is None and r.path.endswith(".safetensors")]
     assert sorted(r.path.rsplit("/", 1)[-1] for r in whole) == sorted(p.name for p in src.glob("*.safetensors"))
@@ -271,7 +280,7 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch)
     assert max(usage) > shard_sizes[0]  # the measurement saw real shards
     assert not stage.exists()
 
-    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Five", str(tmp_path / "plain"), *args])
+    result = runner.invoke(app, ["pull-and-quantize", repo, str(tmp_path / "plain"), *args])
     assert result.exit_code == 0, result.output
     plain = {p.name: p.read_bytes() for p in (tmp_path / "plain").glob("*.safetensors")}
     streamed = {p.name: p.read_bytes() for p in (tmp_path / "streamed").glob("*.safetensors")}

@@ -1,0 +1,214 @@
+"""Affine quantization in numpy: byte-identical to MLX's CPU ``mx.quantize``, about twice as fast.
+
+MLX's CPU kernel walks one group at a time with scalar code (~250-330 MB/s of bf16 per core
+on the development machine), and it is what bounds a CPU conversion. Here the groups are
+laid out across columns, four elements (or two, for float32) moved together, so that every
+step (widen, min/max, scale, round, clip, pack) is one contiguous, vectorised numpy pass
+over a chunk that stays in cache; numpy drops the GIL inside those passes, so one worker
+thread per core runs in parallel. The arithmetic is the kernel's, step for step, in float32
+(``tests/test_npquant.py`` compares bytes with ``mx.quantize`` for every supported dtype,
+width and group size, edge-case groups included). A block holding a NaN or an infinity
+returns ``None``: the caller quantizes it with ``mx.quantize``, whose handling of those
+values we do not reproduce. Conversions run it in worker processes (``quantize_file_rows``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from typing import Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+BITS = (2, 4, 8)
+GROUP_SIZES = (32, 64, 128)
+SOURCE_DTYPES = ("BF16", "F16", "F32")  # safetensors dtypes read as uint16 / float16 / float32
+TARGET_DTYPES = ("bfloat16", "float16", "float32")  # the dtype the weight is quantized in
+CHUNK_ELEMENTS = 1 << 18  # 1 MiB of float32 per pass: stays in a core's L2
+
+
+def supports(source_dtype: str, target_dtype: str, bits: int, group_size: int, mode: str = "affine") -> bool:
+    return (mode == "affine" and bits in BITS and group_size in GROUP_SIZES
+            and source_dtype in SOURCE_DTYPES and target_dtype in TARGET_DTYPES)
+
+
+def _as_float32_rows(lanes: np.ndarray, source_dtype: str, out: np.ndarray) -> np.ndarray:
+    """(S, n) 8-byte lanes of source values -> float32 (S, lanes_per_word * n), exact."""
+    if source_dtype == "BF16":
+        np.left_shift(lanes.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif source_dtype == "F16":
+        np.copyto(out, lanes.view(np.float16))
+    else:
+        np.copyto(out, lanes.view(np.float32))
+    return out
+
+
+def _round_to(x: np.ndarray, target_dtype: str, source_dtype: str) -> None:
+    """Round float32 values in place as MLX's ``astype(target)`` would (round to nearest even)."""
+    if target_dtype == "float32" or target_dtype == {"BF16": "bfloat16", "F16": "float16"}.get(source_dtype):
+        return
+    if target_dtype == "float16":
+        np.copyto(x, x.astype(np.float16))
+    else:  # bfloat16
+        u = x.view(np.uint32)
+        u += np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))
+        u &= np.uint32(0xFFFF0000)
+
+
+def _store(values: np.ndarray, target_dtype: str) -> np.ndarray:
+    """float32 -> the target dtype's bytes (bfloat16 as uint16, rounded to nearest even)."""
+    if target_dtype == "float32":
+        return values
+    if target_dtype == "float16":
+        return values.astype(np.float16)
+    u = values.view(np.uint32)
+    return ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
+
+
+def _across_lanes(op, v: np.ndarray, n: int, lanes: int) -> np.ndarray:
+    """(lanes * n,) per-lane results -> (n,) per group (strided ufuncs: a length-4 reduce is slow)."""
+    v = v.reshape(n, lanes)
+    out = op(v[:, 0], v[:, 1])
+    for l in range(2, lanes):
+        op(out, v[:, l], out=out)
+    return out
+
+
+def _pack(q: np.ndarray, bits: int, lanes: int, out: np.ndarray) -> None:
+    """(S, lanes * n) int16 codes, lane-major -> ``out`` (n, group_size * bits / 8) bytes, MLX's packing.
+
+    MLX packs element k of each 32-bit word at bits ``k*bits`` (little-endian): for 4 bits,
+    byte j holds elements 2j (low nibble) and 2j+1. A lane's codes are adjacent int16s of
+    one 64- or 32-bit word here, so packing is shifts and ors on that word; the transposed
+    copy back to row order also truncates it to the packed width.
+    """
+    if lanes == 4:
+        if bits == 8:
+            np.copyto(out.view(np.uint32), q.astype(np.uint8).view(np.uint32).T)
+        elif bits == 4:  # pairs at bits 0 and 16 -> one byte e0 | e1 << 4 (the cast keeps the low byte)
+            v = q.view(np.uint32)
+            np.copyto(out.view(np.uint16), (v | (v >> 12)).astype(np.uint8).view(np.uint16).T)
+        else:  # codes at bits 0, 16, 32, 48 -> e0 | e1 << 2 | e2 << 4 | e3 << 6
+            v = q.view(np.uint64)
+            t = v | (v >> 14)
+            t |= t >> 28
+            np.copyto(out, t.T, casting="unsafe")
+        return
+    v = q.view(np.uint32)  # float32 source: two codes per lane, at bits 0 and 16
+    if bits == 8:
+        np.copyto(out.view(np.uint16), (v | (v >> 8)).T, casting="unsafe")
+    elif bits == 4:
+        np.copyto(out, (v | (v >> 12)).T, casting="unsafe")
+    else:
+        nibbles = ((v | (v >> 14)) & np.uint32(0xF)).astype(np.uint8)
+        np.copyto(out, (nibbles[0::2] | (nibbles[1::2] << 4)).T)
+
+
+def quantize_rows(rows: Iterable[np.ndarray], source_dtype: str, target_dtype: str, bits: int,
+                  group_size: int) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Quantize consecutive row blocks, each C-contiguous ``(..., C)`` with C a multiple of
+    ``group_size`` (bfloat16 given as its uint16 bits), cast to ``target_dtype`` first.
+
+    Returns flat ``(packed bytes, scales, biases)`` for all rows in order (the caller
+    reshapes them), or ``None`` when a group holds a non-finite value.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # non-finite blocks are refused below
+        return _quantize_rows([np.ascontiguousarray(r) for r in rows], source_dtype, target_dtype, bits, group_size)
+
+
+def _quantize_rows(rows, source_dtype, target_dtype, bits, group_size):
+    total = sum(r.size for r in rows) // group_size
+    lanes = 2 if source_dtype == "F32" else 4
+    slabs = group_size // lanes
+    n_bins = np.float32((1 << bits) - 1)
+    eps, zero = np.float32(1e-7), np.float32(0)
+    packed = np.empty((total, group_size * bits // 8), np.uint8)
+    scales = np.empty(total, np.float32)
+    biases = np.empty(total, np.float32)
+    chunk = max(1, CHUNK_ELEMENTS // group_size)
+    lanes_buf = np.empty((slabs, chunk), np.uint64)
+    x_buf = np.empty((slabs, lanes * chunk), np.float32)
+    rep_buf = np.empty((2, chunk, lanes), np.float32)
+    q_buf = np.empty((slabs, lanes * chunk), np.int16)
+    top = np.full((slabs, lanes * chunk), (1 << bits) - 1, np.int16)
+    g0 = 0
+    for r in rows:
+        groups = r.reshape(-1, group_size).view(np.uint64)  # (G, slabs): 8 bytes per lane
+        for a in range(0, len(groups), chunk):
+            n = min(chunk, len(groups) - a)
+            lane = lanes_buf[:, :n]
+            np.copyto(lane, groups[a:a + n].T)
+            x = _as_float32_rows(lane, source_dtype, x_buf[:, :lanes * n])  # x[s, lanes*g + l]: element lanes*s + l
+            _round_to(x, target_dtype, source_dtype)
+            w_max = _across_lanes(np.maximum, x.max(axis=0), n, lanes)
+            w_min = _across_lanes(np.minimum, x.min(axis=0), n, lanes)
+            # the kernel's scale and bias, in its order of float32 operations
+            mask = np.abs(w_min) > np.abs(w_max)
+            span = w_max - w_min
+            span /= n_bins
+            np.maximum(span, eps, out=span)
+            scale = np.where(mask, span, -span)
+            edge = np.where(mask, w_min, w_max)
+            q0 = np.rint(edge / scale)
+            nonzero = q0 != 0
+            np.divide(edge, q0, out=scale, where=nonzero)
+            bias = np.where(nonzero, edge, zero)
+            scales[g0 + a:g0 + a + n] = scale
+            biases[g0 + a:g0 + a + n] = bias
+            bias_rep, scale_rep = rep_buf[0, :n], rep_buf[1, :n]
+            np.copyto(bias_rep, bias[:, None])
+            np.copyto(scale_rep, scale[:, None])
+            np.subtract(x, bias_rep.reshape(-1), out=x)
+            np.divide(x, scale_rep.reshape(-1), out=x)
+            np.rint(x, out=x)
+            # The kernel clips to [0, n_bins]. Here x >= -0 already: the bias is the end of the
+            # group's range that the scale's sign points away from (or 0 with |edge/scale| <=
+            # 1/2), and float32 subtraction and division keep that order. x <= 2 * n_bins + 1
+            # (q0 rounds edge/scale by at most half of it), so int16 holds it exactly; numpy
+            # vectorises an int16 minimum against an array, not against a scalar.
+            q = q_buf[:, :lanes * n]
+            np.copyto(q, x, casting="unsafe")
+            np.minimum(q, top[:, :lanes * n], out=q)
+            _pack(q, bits, lanes, packed[g0 + a:g0 + a + n])
+        g0 += len(groups)
+    if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
+        return None
+    return packed, _store(scales, target_dtype), _store(biases, target_dtype)
+
+
+# ---------------------------------------------------------------- in a worker process
+
+
+def quantize_file_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str, target_dtype: str,
+                       bits: int, group_size: int) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``quantize_rows`` over row runs read from their files.
+
+    ``reads``: (file, byte offset, shape) per contiguous run, in output row order. Runs in
+    a worker process: numpy holds the GIL between its passes, so threads would queue on
+    it. ``preadv`` keeps no streamed shard open after the call (a mapping would).
+    """
+    dtype = np.dtype({"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[source_dtype])
+    rows, files = [], {}
+    try:
+        for path, offset, shape in reads:
+            if path not in files:
+                files[path] = os.open(path, os.O_RDONLY)
+            row = np.empty(shape, dtype)
+            view = memoryview(row.reshape(-1).view(np.uint8))
+            done = 0
+            while done < len(view):
+                n = os.preadv(files[path], [view[done:]], offset + done)
+                if n == 0:
+                    raise OSError(f"{path}: file ends inside a tensor (byte {offset + done})")
+                done += n
+            rows.append(row)
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    return quantize_rows(rows, source_dtype, target_dtype, bits, group_size)
+
+
+def ignore_interrupts() -> None:
+    """Worker initializer: Ctrl-C is the parent's to handle (it shuts the pool down)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
