@@ -2,8 +2,10 @@
 
   read       copy every block out of the source mapping (no compute)
   transform  + renames/stacks/splits, norm+1, casts (evaluated, no quantization)
-  quantize   + quantization (the real compute), on one stream per core, nothing written
-  full       the real execute(): all of the above plus hashing and writing, pipelined
+  quantize   + quantization with MLX's mx.quantize, on one stream per core, nothing written
+  full (MLX) the real execute() with MLX quantizing (MTPCONVERT_NUMPY_QUANT=0): all of the
+             above plus hashing and writing, pipelined
+  full       the real execute() as it runs by default (npquant in worker processes on the CPU)
 
 Also times the disk itself: a cold sequential read of the source (page cache dropped; root)
 and a write + fsync of as many bytes as the output. Stages overlap in `full`, so it is less
@@ -98,12 +100,14 @@ def main(argv=None):
     for stage in ("read", "transform", "quantize"):
         warm(args.src)
         rows[stage] = timed_pass(plan, ckpt, stage)
-    warm(args.src)
-    with tempfile.TemporaryDirectory(dir=args.src.parent) as tmp:
-        t = time.perf_counter()
-        execute(plan, ckpt, Path(tmp) / "out")
-        rows["full"] = time.perf_counter() - t
-        shutil.rmtree(Path(tmp) / "out")
+    for name, numpy_quant in (("full (MLX)", "0"), ("full", "1")):
+        warm(args.src)
+        os.environ["MTPCONVERT_NUMPY_QUANT"] = numpy_quant
+        with tempfile.TemporaryDirectory(dir=args.src.parent) as tmp:
+            t = time.perf_counter()
+            execute(plan, ckpt, Path(tmp) / "out")
+            rows[name] = time.perf_counter() - t
+            shutil.rmtree(Path(tmp) / "out")
     d = disk(args.src, out_bytes)
     gib = 2**30
     print(f"{args.src}: {in_bytes / gib:.2f} GiB read, {out_bytes / gib:.2f} GiB written, "
@@ -112,7 +116,7 @@ def main(argv=None):
     print("|---|---|---|")
     prev = 0.0
     for stage, t in rows.items():
-        added = t - prev if stage != "full" else t - rows["quantize"]
+        added = t - prev if not stage.startswith("full") else t - rows["quantize"]
         print(f"| {stage} | {t:.1f} | {added:+.1f} |")
         prev = t
     cold = d["cold_read_gbps"]

@@ -1,15 +1,15 @@
-"""Affine quantization in numpy: byte-identical to MLX's CPU ``mx.quantize``, about twice as fast.
+"""Affine quantization in numpy, byte-identical to MLX's CPU ``mx.quantize`` and faster.
 
-MLX's CPU kernel walks one group at a time with scalar code (~250-330 MB/s of bf16 per core
-on the development machine), and it is what bounds a CPU conversion. Here the groups are
-laid out across columns, four elements (or two, for float32) moved together, so that every
-step (widen, min/max, scale, round, clip, pack) is one contiguous, vectorised numpy pass
-over a chunk that stays in cache; numpy drops the GIL inside those passes, so one worker
-thread per core runs in parallel. The arithmetic is the kernel's, step for step, in float32
-(``tests/test_npquant.py`` compares bytes with ``mx.quantize`` for every supported dtype,
-width and group size, edge-case groups included). A block holding a NaN or an infinity
-returns ``None``: the caller quantizes it with ``mx.quantize``, whose handling of those
-values we do not reproduce. Conversions run it in worker processes (``quantize_file_rows``).
+MLX's CPU kernel walks one group at a time with scalar code (~210-330 MB/s of bf16 per core
+on the development machine), and it is what bounds a CPU conversion. Here a chunk of groups
+is transposed so that groups run along columns, four adjacent values (two for float32) moved
+together, and every step (widen, min/max, the scale/bias rule, round, clip, pack) is one
+contiguous, vectorised numpy pass over a chunk that stays in L2. The arithmetic is the
+kernel's, in its order of float32 operations (``tests/test_npquant.py`` compares bytes with
+``mx.quantize`` for every supported dtype, width and group size, edge-case groups included).
+A block holding a NaN or an infinity returns ``None``: the caller quantizes it with
+``mx.quantize``, whose handling of those values we do not reproduce. Conversions run it in
+one worker process per core (``quantize_file_rows``): numpy holds the GIL between passes.
 """
 
 from __future__ import annotations
