@@ -109,11 +109,11 @@ def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[i
 
 def numpy_task(block: Block, ckpt: Checkpoint, reader: TensorReader) -> tuple:
     """Arguments of ``npquant.quantize_file_rows`` for this block (picklable: a worker process
-    reads the source itself). The files are opened here first, so a streamed shard is
-    fetched before a worker needs it."""
+    reads the source itself). The files are mapped here first, so a streamed shard is
+    fetched, and a truncated one named, before a worker reads it."""
     item, q = block.item, block.item.quant
     for s in item.sources[block.start:block.stop] if item.gather == "stack" else item.sources[:1]:
-        reader.ensure(ckpt.tensors[s.key].file)
+        reader.ensure(ckpt.tensors[s.key])
     return (_source_runs(block, ckpt), item.sources[0].dtype, item.dtype, q.bits, q.group_size)
 
 

@@ -276,14 +276,7 @@ class TensorReader:
         if count == 0:
             return np.zeros(shape, dtype=np_dtype)
         begin, end = self._byte_range(info, start, stop)
-        mm = self._map(info.file)
-        if info.end > len(mm):
-            raise SafetensorsError(
-                "tensor data runs past the end of the file (was it truncated after "
-                "the header was read?)",
-                file=info.file,
-                key=info.key,
-            )
+        mm = self.ensure(info)
         _advise(mm, "MADV_WILLNEED", end, min(info.end, 2 * end - begin))
         return np.frombuffer(mm, dtype=np_dtype, count=count, offset=begin).reshape(shape)
 
@@ -298,9 +291,18 @@ class TensorReader:
         row_bytes = info.nbytes // leading_rows(info.shape)
         return info.start + start * row_bytes, info.start + stop * row_bytes
 
-    def ensure(self, file: Path) -> None:
-        """Make sure ``file`` is there (a streamed shard is fetched) before someone else reads it."""
-        self._map(file)
+    def ensure(self, info: TensorInfo) -> mmap.mmap:
+        """Map the tensor's file (a streamed shard is fetched first) and check the file still
+        holds the tensor's bytes; also before a worker process reads them."""
+        mm = self._map(info.file)
+        if info.end > len(mm):
+            raise SafetensorsError(
+                "tensor data runs past the end of the file (was it truncated after "
+                "the header was read?)",
+                file=info.file,
+                key=info.key,
+            )
+        return mm
 
     def _map(self, file: Path) -> mmap.mmap:
         if file not in self._maps:

@@ -158,3 +158,24 @@ def test_a_block_with_a_nan_is_made_by_mlx(raw_checkpoints, tmp_path, monkeypatc
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
     execute(plan, ckpt, tmp_path / "mlx", block_bytes=1 << 40)
     assert tree(tmp_path / "numpy") == tree(tmp_path / "mlx")
+
+
+def test_a_shard_truncated_after_planning_is_named_before_a_worker_reads_it(raw_checkpoints, tmp_path, numpy_pool):
+    from mtpconvert.errors import SafetensorsError
+
+    src = tmp_path / "src"
+    shutil.copytree(raw_checkpoints("dense-sharded-tied").path, src)
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4, group_size=32)))
+    key = next(k for k in sorted(ckpt.tensors) if k.endswith("mlp.down_proj.weight"))
+    victim = ckpt.tensors[key].file
+    victim.write_bytes(victim.read_bytes()[:ckpt.tensors[key].start + 10])
+    # only the weight itself is cut into, so its own check, on the main thread, is what fires
+    tail = [t for t in ckpt.tensors.values() if t.file == victim and t.start > ckpt.tensors[key].start]
+    for t in tail:
+        plan.items[:] = [it for it in plan.items if t.key not in {s.key for s in it.sources}]
+    with pytest.raises(SafetensorsError, match="truncated") as err:
+        execute(plan, ckpt, tmp_path / "out")
+    assert err.value.file == str(victim) and err.value.key == key
+    assert quantized_in_numpy(next(it for it in plan.items if key in {s.key for s in it.sources}))  # a worker's item
+    assert not (tmp_path / "out").exists()
