@@ -15,7 +15,6 @@ one worker process per core (``quantize_file_rows``): numpy holds the GIL betwee
 from __future__ import annotations
 
 import math
-import os
 import signal
 from typing import Iterable, Optional, Sequence, Tuple
 
@@ -186,26 +185,29 @@ def quantize_file_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source
 
     ``reads``: (file, byte offset, shape) per contiguous run, in output row order. Runs in
     a worker process: numpy holds the GIL between its passes, so threads would queue on
-    it. ``preadv`` keeps no streamed shard open after the call (a mapping would).
+    it. Plain unbuffered reads into the rows' own arrays keep no streamed shard open after
+    the call (a mapping would).
     """
     dtype = np.dtype({"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[source_dtype])
     rows, files = [], {}
     try:
         for path, offset, shape in reads:
             if path not in files:
-                files[path] = os.open(path, os.O_RDONLY)
+                files[path] = open(path, "rb", buffering=0)
+            f = files[path]
             row = np.empty(shape, dtype)
             view = memoryview(row.reshape(-1).view(np.uint8))
+            f.seek(offset)
             done = 0
             while done < len(view):
-                n = os.preadv(files[path], [view[done:]], offset + done)
-                if n == 0:
+                n = f.readinto(view[done:])
+                if not n:
                     raise OSError(f"{path}: file ends inside a tensor (byte {offset + done})")
                 done += n
             rows.append(row)
     finally:
-        for fd in files.values():
-            os.close(fd)
+        for f in files.values():
+            f.close()
     return quantize_rows(rows, source_dtype, target_dtype, bits, group_size)
 
 
