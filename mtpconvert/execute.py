@@ -3,9 +3,10 @@
 Items are cut into row blocks of bounded size (``blocks``); a few blocks are in flight
 at once: quantized weights in one npquant worker process per core (CPU backend), the
 rest on one MLX stream per core while the main thread copies the next block out of the
-source mapping, and a writer thread writes finished ones at their offsets. Shards are written with their header fixed up front, so memory is bounded by
-the block size and the pipeline depth, never by the largest tensor; the bytes do not
-depend on the order blocks finish in.
+source mapping, and a writer thread writes finished ones at their offsets. Shards are
+written with their header fixed up front, so memory is bounded by the block size and the
+pipeline depth, never by the largest tensor; the bytes do not depend on the order blocks
+finish in.
 """
 
 from __future__ import annotations

@@ -49,10 +49,9 @@ def _round_to(x: np.ndarray, target_dtype: str, source_dtype: str) -> None:
         return
     if target_dtype == "float16":
         np.copyto(x, x.astype(np.float16))
-    else:  # bfloat16
+    else:  # bfloat16, kept as float32 with the low half cleared
         u = x.view(np.uint32)
-        u += np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))
-        u &= np.uint32(0xFFFF0000)
+        u[...] = _bf16_rounded(u) & np.uint32(0xFFFF0000)
 
 
 def _store(values: np.ndarray, target_dtype: str) -> np.ndarray:
@@ -61,8 +60,13 @@ def _store(values: np.ndarray, target_dtype: str) -> np.ndarray:
         return values
     if target_dtype == "float16":
         return values.astype(np.float16)
-    u = values.view(np.uint32)
-    return ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16).astype(np.uint16)
+    return (_bf16_rounded(values.view(np.uint32)) >> 16).astype(np.uint16)
+
+
+def _bf16_rounded(u: np.ndarray) -> np.ndarray:
+    """float32 bits rounded to nearest even at bit 16, as MLX converts float32 to bfloat16
+    (the bfloat16 value is the top half)."""
+    return u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))
 
 
 def _across_lanes(op, v: np.ndarray, n: int, lanes: int) -> np.ndarray:

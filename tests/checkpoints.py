@@ -6,6 +6,7 @@ Every parameter is randomised (norms get zero-centred noise) so a missing or dou
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,11 @@ class Built:
     path: Path
     model: torch.nn.Module
     raw: Dict[str, np.ndarray]  # every raw tensor written, by key (float32 copies)
+
+
+def tree_digest(folder: Path) -> Dict[str, str]:
+    """sha256 of every file directly in ``folder``, by name: two conversions compared byte for byte."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:

@@ -1,11 +1,11 @@
 """Row-block execution: any block size and any number of streams give the same bytes,
 and no read is larger than a block."""
 
-import hashlib
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints import tree_digest
 
 from mtpconvert.blocks import item_blocks
 from mtpconvert.execute import execute
@@ -13,10 +13,6 @@ from mtpconvert.plan import ConvertOptions, build_plan
 from mtpconvert.quant import QuantOptions
 from mtpconvert.safetensors_io import StreamingShardWriter, TensorReader, TensorSpec, read_all, read_header
 from mtpconvert.source import open_checkpoint
-
-
-def digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 CASES = {
@@ -38,7 +34,7 @@ def test_block_size_and_streams_do_not_change_the_bytes(raw_checkpoints, tmp_pat
     digests = {}
     for name, kw in runs.items():
         execute(plan, ckpt, tmp_path / name, **kw)
-        digests[name] = digest(tmp_path / name)
+        digests[name] = tree_digest(tmp_path / name)
     assert digests["rows"] == digests["whole"] and digests["odd"] == digests["whole"]
 
 

@@ -2,13 +2,13 @@
 size it takes, edge-case groups included; a conversion gives the same shards with or
 without it."""
 
-import hashlib
 import itertools
 import shutil
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints import tree_digest
 
 from mtpconvert import npquant
 from mtpconvert import execute as execute_mod
@@ -94,10 +94,6 @@ def test_what_it_does_not_take():
 # ---------------------------------------------------------------- in a conversion
 
 
-def tree(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
 CASES = {
     "dense-vlm": ConvertOptions(quant=QuantOptions(bits=4, group_size=32), keep_vision=True),
     "moe-fused": ConvertOptions(quant=QuantOptions(bits=4, group_size=32, mtp="match"), dtype="float16"),
@@ -137,7 +133,7 @@ def test_conversion_is_byte_identical_with_and_without_numpy(raw_checkpoints, tm
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
     execute(plan, ckpt, tmp_path / "mlx", block_bytes=3000, workers=2)
     assert numpy_pool["numpy"] > 2 and numpy_pool["mlx fallback"] > 2
-    assert tree(tmp_path / "numpy") == tree(tmp_path / "mlx")
+    assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
 
 
 def test_a_block_with_a_nan_is_made_by_mlx(raw_checkpoints, tmp_path, monkeypatch, numpy_pool):
@@ -157,7 +153,7 @@ def test_a_block_with_a_nan_is_made_by_mlx(raw_checkpoints, tmp_path, monkeypatc
     assert numpy_pool["numpy"] > 2 and numpy_pool["mlx fallback"] == 1  # the NaN's block, and only it
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
     execute(plan, ckpt, tmp_path / "mlx", block_bytes=1 << 40)
-    assert tree(tmp_path / "numpy") == tree(tmp_path / "mlx")
+    assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
 
 
 def test_a_shard_truncated_after_planning_is_named_before_a_worker_reads_it(raw_checkpoints, tmp_path, numpy_pool):

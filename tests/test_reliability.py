@@ -1,7 +1,6 @@
 """Bad inputs and faults: a clear error naming file/key, non-zero exit, nothing at OUT, source untouched."""
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -11,6 +10,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from checkpoints import tree_digest
 from typer.testing import CliRunner
 
 from mtpconvert import execute as execute_mod
@@ -23,10 +23,6 @@ from mtpconvert.source import open_checkpoint
 from mtpconvert.verify import verify
 
 runner = CliRunner()
-
-
-def tree_digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def copy_of(raw_checkpoints, tmp_path, name="dense-sharded-tied"):
