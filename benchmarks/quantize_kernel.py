@@ -1,8 +1,9 @@
 """The quantization kernel alone: MLX's CPU ``mx.quantize`` vs ``mtpconvert.npquant``, same bytes.
 
 MLX runs one CPU stream per worker (its threads need no GIL); npquant runs in worker
-processes (its numpy passes hold the GIL in between, so threads would queue) and, for
-comparison, in threads. Inputs are 16 MiB bf16 blocks ([1536, 5120], the row blocks a
+processes (its numpy passes hold the GIL in between, so threads would queue), its results
+either piped back or left in shared memory as conversions do, and, for comparison, in
+threads. Inputs are 16 MiB bf16 blocks ([1536, 5120], the row blocks a
 conversion makes), quantized at --bits/--group-size; every configuration runs --rounds
 times, interleaved, and the best round is reported (this VM's speed drifts by +-15%).
 
@@ -16,13 +17,16 @@ import multiprocessing
 import os
 import tempfile
 import time
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from mtpconvert import npquant
+from mtpconvert.quantpool import QuantizerPool
 
 ROWS, COLS = 1536, 5120
 
@@ -50,6 +54,23 @@ def npquant_run(pool, path: str, n_blocks: int, bits: int, group: int) -> float:
     return time.perf_counter() - t
 
 
+def shm_run(pool: QuantizerPool, path: str, n_blocks: int, bits: int, group: int) -> float:
+    """As a conversion runs it: results left in shared-memory slots, each freed once read."""
+    block_bytes = ROWS * COLS * 2
+    t = time.perf_counter()
+    pending: deque = deque()
+    for k in range(n_blocks):
+        if not pool.has_free_slot():
+            done = pending.popleft()
+            pool.result(done)
+            pool.release(done)
+        pending.append(pool.submit(([(path, k * block_bytes, (ROWS, COLS))], "BF16", "bfloat16", bits, group)))
+    for done in pending:
+        pool.result(done)
+        pool.release(done)
+    return time.perf_counter() - t
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bits", type=int, default=4)
@@ -63,7 +84,7 @@ def main(argv=None):
     blocks = [mx.array(d).astype(mx.bfloat16) for d in data]
     mx.eval(blocks)
     total = sum(b.nbytes for b in blocks)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         path = str(Path(tmp) / "blocks.bin")
         with open(path, "wb") as f:
             for b in blocks:
@@ -84,8 +105,13 @@ def main(argv=None):
             for pool in (procs, threads):
                 list(pool.map(npquant.quantize_file_rows, [[(path, 0, (ROWS, COLS))]] * n, ["BF16"] * n,
                               ["bfloat16"] * n, [args.bits] * n, [args.group_size] * n))  # warm up
-            configs[f"npquant, {n} process(es)"] = lambda p=procs: npquant_run(p, path, args.blocks, args.bits,
-                                                                                args.group_size)
+            configs[f"npquant, {n} process(es), results piped"] = lambda p=procs: npquant_run(
+                p, path, args.blocks, args.bits, args.group_size)
+            slot_bytes = npquant.result_bytes(ROWS * COLS // args.group_size, args.bits, args.group_size, "bfloat16")
+            shared = stack.enter_context(closing(QuantizerPool(n, 2 * n + 2, slot_bytes)))
+            shm_run(shared, path, n, args.bits, args.group_size)  # warm up
+            configs[f"npquant, {n} process(es), results in shared memory"] = lambda p=shared: shm_run(
+                p, path, args.blocks, args.bits, args.group_size)
             if n > 1:
                 configs[f"npquant, {n} threads"] = lambda p=threads: npquant_run(p, path, args.blocks, args.bits,
                                                                                   args.group_size)

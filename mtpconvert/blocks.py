@@ -9,6 +9,7 @@ blocks, not the largest tensor, and blocks can be computed in parallel.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -115,6 +116,12 @@ def numpy_task(block: Block, ckpt: Checkpoint, reader: TensorReader) -> tuple:
     for s in item.sources[block.start:block.stop] if item.gather == "stack" else item.sources[:1]:
         reader.ensure(ckpt.tensors[s.key])
     return (_source_runs(block, ckpt), item.sources[0].dtype, item.dtype, q.bits, q.group_size)
+
+
+def numpy_groups(block: Block) -> int:
+    """Quantization groups in a block npquant makes (a row of scales holds one per group)."""
+    scales = block.item.outputs()[1]
+    return (block.stop - block.start) * math.prod(scales.shape[1:])
 
 
 def numpy_outputs(block: Block, made: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> List[np.ndarray]:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import threading
 from collections import deque
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,8 @@ import mlx.core as mx
 
 from . import __version__, npquant
 from .plan import Plan, PlanItem
-from .blocks import (DEFAULT_BLOCK_BYTES, Block, item_blocks, numpy_outputs, numpy_task, produce_block,
+from .quantpool import Pending, QuantizerPool, slots_that_fit
+from .blocks import (DEFAULT_BLOCK_BYTES, Block, item_blocks, numpy_groups, numpy_outputs, numpy_task, produce_block,
                      quantized_in_numpy)
 from .safetensors_io import StreamingShardWriter, TensorReader, shard_digest
 from .streaming import ShardStream
@@ -99,45 +99,52 @@ def _write_block(writer: StreamingShardWriter, block: Block, outs: List[mx.array
 
 def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader, writer: StreamingShardWriter,
                  streams: List[mx.Stream], on_item: Callable[[PlanItem], None],
-                 quantizers: Optional[Executor] = None) -> None:
+                 quantizers: Optional[QuantizerPool] = None) -> None:
     """Produce and write ``blocks``, ``len(streams)`` of them being computed at any time
     (and as many more queued for the worker processes).
 
     Three things overlap: blocks k..k+n-1 are computed (on the MLX streams, or, for
     items npquant can make, in the ``quantizers`` worker processes, which read the
-    source themselves), the main thread prepares block k+n (copying its source out of the
-    mapping for MLX), and a writer thread hashes and writes finished blocks at their
-    offsets (hashlib and pwrite release the GIL). ``on_item`` runs on the main thread once
-    an item's last block is on disk.
+    source themselves and leave their results in shared memory), the main thread prepares
+    block k+n (copying its source out of the mapping for MLX), and a writer thread hashes
+    and writes finished blocks at their offsets (hashlib and pwrite release the GIL).
+    ``on_item`` runs on the main thread once an item's last block is on disk.
     """
-    computing: deque = deque()  # (block, lazy mx outputs, or a Future of npquant's)
-    writing: deque = deque()  # (block, future) handed to the writer thread
+    computing: deque = deque()  # (block, lazy mx outputs, or a Pending npquant result)
+    writing: deque = deque()  # (block, future, the Pending whose slot it writes, or None)
     # a worker process that finishes early finds the next block already queued for it
     depth = len(streams) * (2 if quantizers is not None else 1)
 
     def finish_write() -> None:
-        block, future = writing.popleft()
+        block, future, pending = writing.popleft()
         future.result()  # re-raises the writer's error (disk full, ...) here
+        if pending is not None:
+            quantizers.release(pending)
         if block.last:
             on_item(block.item)
 
     with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
         def hand_over() -> None:
             block, outs = computing.popleft()
-            if isinstance(outs, Future):
-                made = outs.result()
+            pending = None
+            if isinstance(outs, Pending):
+                made = quantizers.result(outs)
                 # None: a NaN or an infinity, whose quantization MLX's kernel decides
-                outs = produce_block(block, ckpt, reader) if made is None else numpy_outputs(block, made)
+                if made is None:
+                    outs = produce_block(block, ckpt, reader)
+                else:
+                    pending, outs = outs, numpy_outputs(block, made)
             mx.eval(*[o for o in outs if isinstance(o, mx.array)])  # the writer only reads finished arrays
-            writing.append((block, pool.submit(_write_block, writer, block, outs)))
+            writing.append((block, pool.submit(_write_block, writer, block, outs), pending))
             while len(writing) > WRITE_AHEAD:
                 finish_write()
 
         try:
             for k, block in enumerate(blocks):
                 if quantizers is not None and quantized_in_numpy(block.item):
-                    task = numpy_task(block, ckpt, reader)
-                    computing.append((block, quantizers.submit(npquant.quantize_file_rows, *task)))
+                    while not quantizers.has_free_slot():  # every slot holds a result not yet written
+                        hand_over() if computing else finish_write()
+                    computing.append((block, quantizers.submit(numpy_task(block, ckpt, reader))))
                 else:
                     with mx.stream(streams[k % len(streams)]):
                         outs = produce_block(block, ckpt, reader)
@@ -150,9 +157,11 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
             while writing:
                 finish_write()
         except BaseException:
-            for _, pending in list(writing) + list(computing):
-                if isinstance(pending, Future):
-                    pending.cancel()
+            for _, pending in computing:
+                if isinstance(pending, Pending):
+                    pending.future.cancel()
+            for _, future, _ in writing:
+                future.cancel()
             raise
 
 
@@ -160,24 +169,33 @@ NUMPY_MIN_BYTES = 256 << 20  # below this much to quantize, starting worker proc
 
 
 @contextmanager
-def quantizer_pool(plan: Plan, streams: List[mx.Stream]) -> Iterator[Optional[Executor]]:
+def quantizer_pool(plan: Plan, streams: List[mx.Stream],
+                   block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[Optional[QuantizerPool]]:
     """Worker processes for npquant, one per compute stream, or None where MLX quantizes.
 
     npquant is faster than MLX's CPU kernel with the same bytes, but only in processes:
     its numpy passes hold the GIL in between, so threads would queue on it. A GPU
-    quantizes faster than either. ``MTPCONVERT_NUMPY_QUANT=0`` turns this off.
+    quantizes faster than either. ``MTPCONVERT_NUMPY_QUANT=0`` turns this off. Results
+    come back in shared-memory slots: enough for every block in flight (computing, and
+    queued for the writer), fewer where /dev/shm is small (the pipeline then waits).
     """
     on_cpu = all(s.device == mx.cpu for s in streams)
-    work = sum(item.in_bytes for item in plan.items if quantized_in_numpy(item))
-    if not on_cpu or work < NUMPY_MIN_BYTES or os.environ.get("MTPCONVERT_NUMPY_QUANT", "1") == "0":
+    items = [item for item in plan.items if quantized_in_numpy(item)]
+    if not on_cpu or sum(item.in_bytes for item in items) < NUMPY_MIN_BYTES \
+            or os.environ.get("MTPCONVERT_NUMPY_QUANT", "1") == "0":
         yield None
         return
-    workers = ProcessPoolExecutor(len(streams), mp_context=multiprocessing.get_context("spawn"),
-                                  initializer=npquant.ignore_interrupts)
+    slot_bytes = max(npquant.result_bytes(numpy_groups(b), b.item.quant.bits, b.item.quant.group_size, b.item.dtype)
+                     for item in items for b in item_blocks(item, block_bytes))
+    slots = slots_that_fit(2 * len(streams) + WRITE_AHEAD + 2, slot_bytes)
+    if slots < 2:
+        yield None
+        return
+    workers = QuantizerPool(len(streams), slots, slot_bytes)
     try:
         yield workers
     finally:
-        workers.shutdown(wait=True, cancel_futures=True)
+        workers.close()
 
 
 def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
@@ -264,7 +282,7 @@ def execute(
                 progress(item, position)
             position += 1
 
-        with quantizer_pool(plan, streams) as quantizers:
+        with quantizer_pool(plan, streams, block_bytes) as quantizers:
             try:
                 for shard_name, items in shards.items():
                     specs = [spec for item in items for spec in item.outputs()]

@@ -15,7 +15,12 @@ one worker process per core (``quantize_file_rows``): numpy holds the GIL betwee
 from __future__ import annotations
 
 import math
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import threading
+from multiprocessing import shared_memory
 from typing import Iterable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -108,25 +113,28 @@ def _pack(q: np.ndarray, bits: int, lanes: int, out: np.ndarray) -> None:
         np.copyto(out, (nibbles[0::2] | (nibbles[1::2] << 4)).T)
 
 
-def quantize_rows(rows: Iterable[np.ndarray], source_dtype: str, target_dtype: str, bits: int,
-                  group_size: int) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def quantize_rows(rows: Iterable[np.ndarray], source_dtype: str, target_dtype: str, bits: int, group_size: int,
+                  out: Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]] = None,
+                  ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Quantize consecutive row blocks, each C-contiguous ``(..., C)`` with C a multiple of
     ``group_size`` (bfloat16 given as its uint16 bits), cast to ``target_dtype`` first.
 
     Returns flat ``(packed bytes, scales, biases)`` for all rows in order (the caller
-    reshapes them), or ``None`` when a group holds a non-finite value.
+    reshapes them; written into ``out``, shaped as ``result_views`` makes them, if given),
+    or ``None`` when a group holds a non-finite value.
     """
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite blocks are refused below
-        return _quantize_rows([np.ascontiguousarray(r) for r in rows], source_dtype, target_dtype, bits, group_size)
+        return _quantize_rows([np.ascontiguousarray(r) for r in rows], source_dtype, target_dtype, bits, group_size,
+                              out)
 
 
-def _quantize_rows(rows, source_dtype, target_dtype, bits, group_size):
+def _quantize_rows(rows, source_dtype, target_dtype, bits, group_size, out=None):
     total = sum(r.size for r in rows) // group_size
     lanes = 2 if source_dtype == "F32" else 4
     slabs = group_size // lanes
     n_bins = np.float32((1 << bits) - 1)
     eps, zero = np.float32(1e-7), np.float32(0)
-    packed = np.empty((total, group_size * bits // 8), np.uint8)
+    packed = np.empty((total, group_size * bits // 8), np.uint8) if out is None else out[0]
     scales = np.empty(total, np.float32)
     biases = np.empty(total, np.float32)
     chunk = max(1, CHUNK_ELEMENTS // group_size)
@@ -177,7 +185,40 @@ def _quantize_rows(rows, source_dtype, target_dtype, bits, group_size):
         g0 += len(groups)
     if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
         return None
-    return packed, _store(scales, target_dtype), _store(biases, target_dtype)
+    if out is None:
+        return packed, _store(scales, target_dtype), _store(biases, target_dtype)
+    np.copyto(out[1], _store(scales, target_dtype))
+    np.copyto(out[2], _store(biases, target_dtype))
+    return out
+
+
+STORED = {"bfloat16": np.dtype(np.uint16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+ALIGN = 64
+
+
+def _result_layout(groups: int, bits: int, group_size: int, target_dtype: str):
+    """Byte offset and size of packed, scales and biases for ``groups`` groups, each 64-byte aligned."""
+    sizes = (groups * group_size * bits // 8,) + (groups * STORED[target_dtype].itemsize,) * 2
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // ALIGN) * ALIGN
+    return list(zip(offsets, sizes)), at
+
+
+def result_bytes(groups: int, bits: int, group_size: int, target_dtype: str) -> int:
+    """Bytes a result of ``groups`` groups takes in a shared buffer (``result_views``)."""
+    return _result_layout(groups, bits, group_size, target_dtype)[1]
+
+
+def result_views(buf: np.ndarray, groups: int, bits: int, group_size: int,
+                 target_dtype: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(packed, scales, biases) laid out at the start of ``buf`` (uint8): what ``quantize_rows``
+    writes with ``out=`` and returns, so that a worker and its parent agree on the bytes."""
+    (p, p_n), (s, s_n), (b, b_n) = _result_layout(groups, bits, group_size, target_dtype)[0]
+    stored = STORED[target_dtype]
+    return (buf[p:p + p_n].reshape(groups, group_size * bits // 8), buf[s:s + s_n].view(stored),
+            buf[b:b + b_n].view(stored))
 
 
 # ---------------------------------------------------------------- in a worker process
@@ -192,6 +233,23 @@ def quantize_file_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source
     it. Plain unbuffered reads into the rows' own arrays keep no streamed shard open after
     the call (a mapping would).
     """
+    return quantize_rows(_read_rows(reads, source_dtype), source_dtype, target_dtype, bits, group_size)
+
+
+def quantize_file_rows_into(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str, target_dtype: str,
+                            bits: int, group_size: int, segment: str, offset: int) -> bool:
+    """``quantize_file_rows`` writing its result into shared memory ``segment`` at ``offset``
+    (laid out as ``result_views``), so that no output byte crosses a pipe: pickling, sending
+    and unpickling ~4 MB per block cost the parent more CPU time than hashing and writing it.
+    False when a group holds a non-finite value (nothing usable was written)."""
+    rows = _read_rows(reads, source_dtype)
+    groups = sum(r.size for r in rows) // group_size
+    size = result_bytes(groups, bits, group_size, target_dtype)
+    out = result_views(_attached(segment)[offset:offset + size], groups, bits, group_size, target_dtype)
+    return quantize_rows(rows, source_dtype, target_dtype, bits, group_size, out) is not None
+
+
+def _read_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str) -> list:
     dtype = np.dtype({"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[source_dtype])
     rows, files = [], {}
     try:
@@ -212,9 +270,31 @@ def quantize_file_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source
     finally:
         for f in files.values():
             f.close()
-    return quantize_rows(rows, source_dtype, target_dtype, bits, group_size)
+    return rows
 
 
-def ignore_interrupts() -> None:
-    """Worker initializer: Ctrl-C is the parent's to handle (it shuts the pool down)."""
+_SEGMENTS: dict = {}  # shared memory this worker has attached, by name: kept for the pool's life
+
+
+def _attached(segment: str) -> np.ndarray:
+    if segment not in _SEGMENTS:
+        # A spawned worker shares its parent's resource tracker: registering the segment
+        # again is a no-op there, and the parent unlinks it once the pool is closed.
+        shm = shared_memory.SharedMemory(segment)
+        _SEGMENTS[segment] = (shm, np.ndarray((shm.size,), np.uint8, shm.buf))
+    return _SEGMENTS[segment][1]
+
+
+def worker_init() -> None:
+    """Worker initializer: Ctrl-C is the parent's to handle (it shuts the pool down), and a
+    worker whose parent is killed outright exits instead of waiting for work forever (its
+    exit also lets the resource tracker unlink the parent's shared memory)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), daemon=True).start()
+
+
+def _exit_with_parent(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])  # readable once the parent is gone
+    os._exit(1)

@@ -3,6 +3,7 @@ size it takes, edge-case groups included; a conversion gives the same shards wit
 without it."""
 
 import itertools
+import os
 import shutil
 
 import mlx.core as mx
@@ -10,11 +11,12 @@ import numpy as np
 import pytest
 from checkpoints import tree_digest
 
-from mtpconvert import npquant
+from mtpconvert import npquant, quantpool
 from mtpconvert import execute as execute_mod
 from mtpconvert.blocks import quantized_in_numpy
 from mtpconvert.execute import execute
 from mtpconvert.plan import ConvertOptions, build_plan
+from mtpconvert.quantpool import QuantizerPool
 from mtpconvert.quant import QuantOptions
 from mtpconvert.safetensors_io import read_all, write_all
 from mtpconvert.source import open_checkpoint
@@ -166,6 +168,7 @@ def test_a_shard_truncated_after_planning_is_named_before_a_worker_reads_it(raw_
     key = next(k for k in sorted(ckpt.tensors) if k.endswith("mlp.down_proj.weight"))
     victim = ckpt.tensors[key].file
     victim.write_bytes(victim.read_bytes()[:ckpt.tensors[key].start + 10])
+    before = shared_segments()
     # only the weight itself is cut into, so its own check, on the main thread, is what fires
     tail = [t for t in ckpt.tensors.values() if t.file == victim and t.start > ckpt.tensors[key].start]
     for t in tail:
@@ -175,3 +178,126 @@ def test_a_shard_truncated_after_planning_is_named_before_a_worker_reads_it(raw_
     assert err.value.file == str(victim) and err.value.key == key
     assert quantized_in_numpy(next(it for it in plan.items if key in {s.key for s in it.sources}))  # a worker's item
     assert not (tmp_path / "out").exists()
+    assert shared_segments() == before
+
+
+# ---------------------------------------------------------------- results in shared memory
+
+
+def shared_segments() -> set:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture
+def slot_ledger(monkeypatch):
+    """Record every result slot taken and given back; fail on a slot taken twice while held."""
+    ledger = {"held": set(), "most held": 0, "taken": 0}
+    real_submit, real_release = QuantizerPool.submit, QuantizerPool.release
+
+    def submit(self, task):
+        pending = real_submit(self, task)
+        assert pending.slot not in ledger["held"], f"slot {pending.slot} handed out while its result is unwritten"
+        ledger["held"].add(pending.slot)
+        ledger["taken"] += 1
+        ledger["most held"] = max(ledger["most held"], len(ledger["held"]))
+        return pending
+
+    def release(self, pending):
+        ledger["held"].remove(pending.slot)
+        real_release(self, pending)
+
+    monkeypatch.setattr(QuantizerPool, "submit", submit)
+    monkeypatch.setattr(QuantizerPool, "release", release)
+    return ledger
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_few_result_slots_make_the_pipeline_wait_not_overwrite(raw_checkpoints, tmp_path, monkeypatch, numpy_pool,
+                                                                slot_ledger, slots):
+    ckpt = open_checkpoint(raw_checkpoints("moe-fused").path)
+    plan = build_plan(ckpt, CASES["moe-fused"])
+    before = shared_segments()
+    monkeypatch.setattr(execute_mod, "slots_that_fit", lambda wanted, slot_bytes: min(wanted, slots))
+    execute(plan, ckpt, tmp_path / "numpy", block_bytes=3000, workers=2)
+    assert slot_ledger["taken"] > 10 and slot_ledger["most held"] == slots and not slot_ledger["held"]
+    monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
+    execute(plan, ckpt, tmp_path / "mlx", block_bytes=3000, workers=2)
+    assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
+    assert shared_segments() == before  # the segment is unlinked with the pool
+
+
+def test_no_room_for_two_slots_means_mlx_quantizes(raw_checkpoints, tmp_path, monkeypatch, numpy_pool):
+    ckpt = open_checkpoint(raw_checkpoints("dense-vlm").path)
+    plan = build_plan(ckpt, CASES["dense-vlm"])
+    monkeypatch.setattr(execute_mod, "slots_that_fit", lambda wanted, slot_bytes: 1)
+    execute(plan, ckpt, tmp_path / "out", block_bytes=3000, workers=2)
+    assert numpy_pool["numpy"] == 0 and numpy_pool["mlx fallback"] > 2
+
+
+def test_slots_that_fit_leave_half_of_a_small_dev_shm(monkeypatch):
+    class Stat:
+        f_frsize, f_bavail = 4096, (64 << 20) // 4096  # a container's default 64 MiB
+
+    monkeypatch.setattr(quantpool.os, "statvfs", lambda path: Stat)
+    assert quantpool.slots_that_fit(10, 4 << 20) == 8
+    assert quantpool.slots_that_fit(10, 9 << 20) == 3
+    assert quantpool.slots_that_fit(10, 40 << 20) == 0
+    monkeypatch.setattr(quantpool.os, "statvfs", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
+    assert quantpool.slots_that_fit(10, 40 << 20) == 10
+
+
+def test_result_views_tile_their_slot():
+    for bits, group, target in itertools.product(npquant.BITS, npquant.GROUP_SIZES, npquant.TARGET_DTYPES):
+        groups = 37
+        size = npquant.result_bytes(groups, bits, group, target)
+        buf = np.zeros(size + 64, np.uint8)
+        packed, scales, biases = npquant.result_views(buf[:size], groups, bits, group, target)
+        assert packed.shape == (groups, group * bits // 8) and scales.shape == biases.shape == (groups,)
+        spans = sorted((a.__array_interface__["data"][0] - buf.ctypes.data, a.nbytes) for a in (packed, scales, biases))
+        assert all(start % npquant.ALIGN == 0 for start, _ in spans)
+        assert all(s0 + n0 <= s1 for (s0, n0), (s1, _) in zip(spans, spans[1:])) and spans[-1][0] + spans[-1][1] <= size
+
+
+KILLED_PARENT = """
+import time
+from mtpconvert.quantpool import QuantizerPool
+
+if __name__ == "__main__":
+    pool = QuantizerPool(2, 2, 4096)
+    for f in [pool._procs.submit(time.sleep, 0.5) for _ in range(2)]:
+        f.result()
+    print(pool._shm.name, *pool._procs._processes, flush=True)
+    time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or not os.path.isdir("/dev/shm"), reason="reads /proc and /dev/shm")
+def test_workers_exit_and_the_segment_goes_when_the_parent_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(KILLED_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        segment, *workers = parent.stdout.readline().split()
+        assert len(workers) == 2 and os.path.exists(f"/dev/shm/{segment}")
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (all(_gone(int(p)) for p in workers)
+                                               and not os.path.exists(f"/dev/shm/{segment}")):
+        time.sleep(0.1)
+    assert all(_gone(int(p)) for p in workers), "a worker outlived its killed parent"
+    assert not os.path.exists(f"/dev/shm/{segment}"), "the killed parent's segment was left in /dev/shm"
