@@ -237,14 +237,16 @@ def quantize_file_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source
 
 
 def quantize_file_rows_into(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str, target_dtype: str,
-                            bits: int, group_size: int, segment: str, offset: int) -> bool:
+                            bits: int, group_size: int, segment: str, offset: int, capacity: int) -> bool:
     """``quantize_file_rows`` writing its result into shared memory ``segment`` at ``offset``
-    (laid out as ``result_views``), so that no output byte crosses a pipe: pickling, sending
-    and unpickling ~4 MB per block cost the parent more CPU time than hashing and writing it.
+    (laid out as ``result_views``, within ``capacity`` bytes), so that no output byte crosses
+    a pipe: pickling, sending and unpickling ~4 MB per block cost both processes CPU time.
     False when a group holds a non-finite value (nothing usable was written)."""
     rows = _read_rows(reads, source_dtype)
     groups = sum(r.size for r in rows) // group_size
     size = result_bytes(groups, bits, group_size, target_dtype)
+    if size > capacity:  # would spill into the next slot
+        raise ValueError(f"a result of {size} bytes does not fit its {capacity}-byte slot")
     out = result_views(_attached(segment)[offset:offset + size], groups, bits, group_size, target_dtype)
     return quantize_rows(rows, source_dtype, target_dtype, bits, group_size, out) is not None
 

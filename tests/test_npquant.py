@@ -301,3 +301,22 @@ def test_workers_exit_and_the_segment_goes_when_the_parent_is_killed(tmp_path):
         time.sleep(0.1)
     assert all(_gone(int(p)) for p in workers), "a worker outlived its killed parent"
     assert not os.path.exists(f"/dev/shm/{segment}"), "the killed parent's segment was left in /dev/shm"
+
+
+def test_a_result_larger_than_its_slot_is_refused(tmp_path):
+    rows = np.zeros((4, 64), np.uint16)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(rows.tobytes())
+    size = npquant.result_bytes(4, 4, 64, "bfloat16")
+    shm = quantpool.shared_memory.SharedMemory(create=True, size=2 * size)
+    try:
+        reads = [(str(path), 0, (4, 64))]
+        assert npquant.quantize_file_rows_into(reads, "BF16", "bfloat16", 4, 64, shm.name, size, size)
+        with pytest.raises(ValueError, match="does not fit"):
+            npquant.quantize_file_rows_into(reads, "BF16", "bfloat16", 4, 64, shm.name, 0, size - 1)
+    finally:
+        attached, view = npquant._SEGMENTS.pop(shm.name)  # as a worker would, in this process
+        del view
+        attached.close()
+        shm.close()
+        shm.unlink()
