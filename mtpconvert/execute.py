@@ -191,7 +191,11 @@ def quantizer_pool(plan: Plan, streams: List[mx.Stream],
     if slots < 2:
         yield None
         return
-    workers = QuantizerPool(len(streams), slots, slot_bytes)
+    try:
+        workers = QuantizerPool(len(streams), slots, slot_bytes)
+    except OSError:  # no shared memory to be had (no /dev/shm, no permission): MLX quantizes
+        yield None
+        return
     try:
         yield workers
     finally:

@@ -320,3 +320,13 @@ def test_a_result_larger_than_its_slot_is_refused(tmp_path):
         attached.close()
         shm.close()
         shm.unlink()
+
+
+def test_no_shared_memory_means_mlx_quantizes(raw_checkpoints, tmp_path, monkeypatch, numpy_pool):
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/dev/shm/psm_test")
+
+    monkeypatch.setattr(quantpool.shared_memory, "SharedMemory", refuse)
+    ckpt = open_checkpoint(raw_checkpoints("dense-vlm").path)
+    execute(build_plan(ckpt, CASES["dense-vlm"]), ckpt, tmp_path / "out", block_bytes=3000, workers=2)
+    assert numpy_pool["numpy"] == 0 and numpy_pool["mlx fallback"] > 2
