@@ -103,8 +103,7 @@ def main(argv=None):
             procs = ProcessPoolExecutor(n, mp_context=ctx)
             threads = ThreadPoolExecutor(n)
             for pool in (procs, threads):
-                list(pool.map(npquant.quantize_file_rows, [[(path, 0, (ROWS, COLS))]] * n, ["BF16"] * n,
-                              ["bfloat16"] * n, [args.bits] * n, [args.group_size] * n))  # warm up
+                npquant_run(pool, path, n, args.bits, args.group_size)  # warm up
             configs[f"npquant, {n} process(es), results piped"] = lambda p=procs: npquant_run(
                 p, path, args.blocks, args.bits, args.group_size)
             slot_bytes = npquant.result_bytes(ROWS * COLS // args.group_size, args.bits, args.group_size, "bfloat16")

@@ -185,8 +185,10 @@ def quantizer_pool(plan: Plan, streams: List[mx.Stream],
             or os.environ.get("MTPCONVERT_NUMPY_QUANT", "1") == "0":
         yield None
         return
+    # an item's first block is its largest (item_blocks cuts equal blocks, the last one shorter)
+    firsts = [item_blocks(item, block_bytes)[0] for item in items]
     slot_bytes = max(npquant.result_bytes(numpy_groups(b), b.item.quant.bits, b.item.quant.group_size, b.item.dtype)
-                     for item in items for b in item_blocks(item, block_bytes))
+                     for b in firsts)
     slots = slots_that_fit(2 * len(streams) + WRITE_AHEAD + 2, slot_bytes)
     if slots < 2:
         yield None

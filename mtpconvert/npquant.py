@@ -9,7 +9,8 @@ kernel's, in its order of float32 operations (``tests/test_npquant.py`` compares
 ``mx.quantize`` for every supported dtype, width and group size, edge-case groups included).
 A block holding a NaN or an infinity returns ``None``: the caller quantizes it with
 ``mx.quantize``, whose handling of those values we do not reproduce. Conversions run it in
-one worker process per core (``quantize_file_rows``): numpy holds the GIL between passes.
+one worker process per core (``quantize_file_rows_into``, driven by ``quantpool``): numpy
+holds the GIL between passes.
 """
 
 from __future__ import annotations
@@ -242,13 +243,18 @@ def quantize_file_rows_into(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], s
     (laid out as ``result_views``, within ``capacity`` bytes), so that no output byte crosses
     a pipe: pickling, sending and unpickling ~4 MB per block cost both processes CPU time.
     False when a group holds a non-finite value (nothing usable was written)."""
-    rows = _read_rows(reads, source_dtype)
-    groups = sum(r.size for r in rows) // group_size
+    groups = task_groups(reads, group_size)
     size = result_bytes(groups, bits, group_size, target_dtype)
     if size > capacity:  # would spill into the next slot
         raise ValueError(f"a result of {size} bytes does not fit its {capacity}-byte slot")
+    rows = _read_rows(reads, source_dtype)
     out = result_views(_attached(segment)[offset:offset + size], groups, bits, group_size, target_dtype)
     return quantize_rows(rows, source_dtype, target_dtype, bits, group_size, out) is not None
+
+
+def task_groups(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], group_size: int) -> int:
+    """Quantization groups in the rows ``reads`` names (what sizes and lays out its result)."""
+    return sum(math.prod(shape) for _, _, shape in reads) // group_size
 
 
 def _read_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str) -> list:

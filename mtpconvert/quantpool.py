@@ -9,7 +9,6 @@ cross the pipe: sending each ~4 MB result through it cost the parent's result th
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -55,7 +54,7 @@ class QuantizerPool:
     def submit(self, task: Task) -> Pending:
         reads, _, _, _, group_size = task
         slot = self._free.pop()
-        groups = sum(math.prod(shape) for _, _, shape in reads) // group_size
+        groups = npquant.task_groups(reads, group_size)
         future = self._procs.submit(npquant.quantize_file_rows_into, *task, self._shm.name, slot * self.slot_bytes,
                                     self.slot_bytes)
         return Pending(future, slot, groups, task)

@@ -261,10 +261,9 @@ class TensorReader:
         return arr
 
     def view_rows(self, info: TensorInfo, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` as a numpy view of the mapped file (bfloat16 as its uint16 bits).
-
-        No copy: the caller reads the page cache directly, then calls ``drop_rows`` and lets
-        go of the view (a file with views alive cannot be unmapped). The next rows of the
+        """Rows ``start:stop`` as a numpy view of the mapped file (bfloat16 as its uint16 bits):
+        every read of the main thread goes through here (``read_rows`` copies it, then calls
+        ``drop_rows``; a file with views alive cannot be unmapped). The next rows of the
         tensor are read ahead from disk meanwhile.
         """
         np_dtype, _, _ = DTYPES[info.dtype]

@@ -1,13 +1,14 @@
 """Row-block execution: any block size and any number of streams give the same bytes,
 and no read is larger than a block."""
 
+import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from checkpoints import tree_digest
 
-from mtpconvert.blocks import item_blocks
+from mtpconvert.blocks import _source_runs, item_blocks, quantized_in_numpy, rows
 from mtpconvert.execute import execute
 from mtpconvert.plan import ConvertOptions, build_plan
 from mtpconvert.quant import QuantOptions
@@ -44,7 +45,7 @@ def test_no_read_exceeds_a_block(raw_checkpoints, tmp_path, monkeypatch):
     reads = []
     real = TensorReader.view_rows
 
-    def spy(self, info, start, stop):  # every read, MLX's (copied) and numpy's (in place)
+    def spy(self, info, start, stop):  # every read of the main thread (MLX's blocks)
         out = real(self, info, start, stop)
         reads.append((info.key, out.nbytes, info.nbytes // (info.shape[0] if info.shape else 1)))
         return out
@@ -56,6 +57,14 @@ def test_no_read_exceeds_a_block(raw_checkpoints, tmp_path, monkeypatch):
     # the fused gate_up is read a few experts at a time, never whole
     fused = [r for r in reads if r[0].endswith("experts.gate_up_proj")]
     assert fused and all(n < ckpt.tensors[k].nbytes for k, n, _ in fused)
+    # npquant's worker processes read the runs _source_runs names: bounded the same way
+    numpy_blocks = [b for it in plan.items if quantized_in_numpy(it) for b in item_blocks(it, block)]
+    assert numpy_blocks
+    for b in numpy_blocks:
+        itemsize = {"BF16": 2, "F16": 2, "F32": 4}[b.item.sources[0].dtype]
+        read = sum(math.prod(shape) for _, _, shape in _source_runs(b, ckpt)) * itemsize
+        row = b.item.in_bytes // rows(b.item)
+        assert read <= max(block, row), (b.item.slot.name, b.start, b.stop, read)
 
 
 def test_read_rows_and_halves_match_numpy(tmp_path):
