@@ -58,6 +58,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from mlx.utils import tree_map
+
 from ..errors import LayoutError
 from ..safetensors_io import DTYPES, Header, TensorInfo, TensorReader, read_header
 from .mtp import MTPHead
@@ -190,6 +192,7 @@ class LayerwiseResult:
     head_source: str
     exact: bool
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
+    compute_dtype: str = ""
     per_prompt: List[Tuple[int, int]] = field(default_factory=list)  # (agreed, compared)
     backbone_next: List[List[int]] = field(default_factory=list)  # backbone argmax at positions 1..L-1
     head_next: List[List[int]] = field(default_factory=list)  # head argmax at positions 0..L-2
@@ -227,6 +230,7 @@ class LayerwiseResult:
             "hidden": self.hidden,
             "head_source": self.head_source,
             "exact": self.exact,
+            "compute_dtype": self.compute_dtype,
             "acceptance": round(self.acceptance, 4),
             "agreed": self.agreed,
             "compared": self.compared,
@@ -272,31 +276,91 @@ def cast_float_experts(module: nn.Module) -> int:
     return n
 
 
-def dequantize_linears(module: nn.Module) -> int:
-    """Replace every affine ``QuantizedLinear`` under ``module`` by an ``nn.Linear`` holding its
-    dequantized weight (dtype of the scales, what ``quantized_matmul`` returns). Returns the count."""
+# Rows of a weight matrix turned to floating point at once by BlockLinear.
+LINEAR_BLOCK_BYTES = 64 << 20
+
+
+class BlockLinear(nn.Module):
+    """``nn.Linear``'s forward in ``dtype`` for a quantized (affine) or float ``Linear``, a block
+    of output rows at a time: each block is dequantized (or cast), multiplied and evaluated before
+    the next, so a layer's resident memory stays its stored weights plus one block of
+    ``LINEAR_BLOCK_BYTES``, however large its matrices are."""
+
+    def __init__(self, m: nn.Module, dtype, block_bytes: int = LINEAR_BLOCK_BYTES):
+        super().__init__()
+        self.quantized = isinstance(m, nn.QuantizedLinear)
+        for k in ("weight", "scales", "biases", "bias"):
+            if m.get(k) is not None:
+                setattr(self, k, m[k])
+        if self.quantized:
+            self.group_size, self.bits, self.mode = m.group_size, m.bits, m.mode
+            in_dims = m["weight"].shape[1] * 32 // m.bits
+        else:
+            in_dims = m["weight"].shape[1]
+        self.dtype = dtype
+        self.rows = max(1, block_bytes // (in_dims * dtype.size))
+
+    def _block(self, a: int, b: int) -> mx.array:
+        if self.quantized:
+            biases = self.get("biases")
+            return mx.dequantize(self["weight"][a:b], self["scales"][a:b], biases[a:b] if biases is not None else None,
+                                 group_size=self.group_size, bits=self.bits, mode=self.mode, dtype=self.dtype)
+        return self["weight"][a:b].astype(self.dtype)
+
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        out = self["weight"].shape[0]
+        parts = []
+        for a in range(0, out, self.rows):
+            y = x @ self._block(a, min(out, a + self.rows)).T
+            mx.eval(y)
+            parts.append(y)
+        y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+        return y + self["bias"].astype(self.dtype) if "bias" in self else y
+
+
+def dequantize_linears(module: nn.Module, dtype) -> int:
+    """Swap every affine ``QuantizedLinear`` under ``module``, and every float ``Linear`` whose
+    weight is not ``dtype``, for a ``BlockLinear`` computing in ``dtype``. Returns the count."""
     n = 0
 
     def swap(m):
         nonlocal n
-        if isinstance(m, nn.QuantizedLinear) and m.mode == "affine":
-            w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
-                              bits=m.bits, mode=m.mode)
-            out_dims, in_dims = w.shape
-            lin = nn.Linear(in_dims, out_dims, bias="bias" in m)
-            lin.weight = w
-            if "bias" in m:
-                lin.bias = m["bias"]
-            mx.eval(lin.parameters())
+        if (isinstance(m, nn.QuantizedLinear) and m.mode == "affine") or (
+                type(m) is nn.Linear and m["weight"].dtype != dtype):
             n += 1
-            return lin
+            return BlockLinear(m, dtype)
         return m
 
-    from mlx.utils import tree_map
-
-    leaves = tree_map(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
-    module.update_modules(leaves)
+    module.update_modules(tree_map(swap, module.leaf_modules(), is_leaf=nn.Module.is_module))
     return n
+
+
+def fast_float_dtype(model_dtype=mx.bfloat16, size: int = 384):
+    """The float type whose GEMM is faster here: float32 when it beats ``model_dtype`` by 1.5x.
+
+    mlx's Linux CPU wheel (mlx[cpu]) links the reference BLAS: float32 GEMM ran at ~1 GFLOP/s on
+    this project's machine and bfloat16 (mlx's own loop) at ~2; with an optimized BLAS preloaded
+    (``LD_PRELOAD=.../openblas-pthread/libblas.so.3``) float32 runs at ~25-40. Measured once
+    (~0.1 s with the reference BLAS)."""
+    if model_dtype == mx.float32:
+        return mx.float32
+    global _FAST_DTYPE
+    if _FAST_DTYPE is None:
+        a = mx.random.normal((size, size), key=mx.random.key(0))
+        times = {}
+        for dt in (mx.float32, model_dtype):
+            x, w = a.astype(dt), a.astype(dt)
+            mx.eval(x @ w)
+            t = time.perf_counter()
+            for _ in range(2):
+                mx.eval(x @ w)
+            times[dt] = time.perf_counter() - t
+        _FAST_DTYPE = mx.float32 if times[mx.float32] * 1.5 < times[model_dtype] else model_dtype
+    return _FAST_DTYPE
+
+
+_FAST_DTYPE = None
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -436,7 +500,7 @@ class _Embedding:
         return _param_bytes(self.module)
 
 
-def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bool, block_bytes: int,
+def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bool, dtype, block_bytes: int,
                         progress: Callable[[str], None]) -> Tuple[List[List[List[int]]], int]:
     """Running argmax of lm_head over vocabulary blocks, for every state array in ``states``
     (``states[p][j]``: prompt p's j-th [1, L, H] array). Returns argmax ids, and the largest block's bytes."""
@@ -454,7 +518,7 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
     row_bytes = sum(folder._info(k).nbytes for k in keys) // vocab
     quantized = isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
     dequant = quantized and not exact and module.mode == "affine"
-    deq_row_bytes = folder.args.hidden_size * 4 if dequant else 0  # float32 scales at most
+    deq_row_bytes = folder.args.hidden_size * dtype.size if dequant else 0
     rows = max(1, min(vocab, block_bytes // max(row_bytes, deq_row_bytes, 1)))
     best = [[None for _ in s] for s in states]
     largest = 0
@@ -465,9 +529,9 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
         mx.eval(module.parameters())
         if dequant:
             w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
-                              bits=module.bits, mode=module.mode)
+                              bits=module.bits, mode=module.mode, dtype=dtype)
             mx.eval(w)
-            fn = lambda x: x @ w.T  # noqa: E731  (nn.Linear's forward)
+            fn = lambda x: x.astype(dtype) @ w.T  # noqa: E731  (nn.Linear's forward)
         elif tied:
             fn = module.as_linear
         else:
@@ -504,10 +568,13 @@ def _load_layer(folder: _Folder, i: int) -> nn.Module:
     return layer
 
 
-def _finish_layer(module: nn.Module, exact: bool) -> None:
+def _finish_layer(module: nn.Module, exact: bool, dtype) -> None:
     cast_float_experts(module)
     if not exact:
-        dequantize_linears(module)
+        dequantize_linears(module, dtype)
+        if dtype == mx.float32:  # vectors too (norms, A_log, dt_bias): matrices are promoted per call
+            module.update(tree_map(lambda v: v.astype(mx.float32) if v.ndim <= 1 and
+                                   mx.issubdtype(v.dtype, mx.floating) else v, module.parameters()))
 
 
 def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
@@ -559,12 +626,16 @@ def layerwise_acceptance(
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
     exact: Optional[bool] = None,
     vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES,
+    compute_dtype: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> LayerwiseResult:
     """Teacher-forced greedy MTP acceptance of ``path``, one layer resident at a time.
 
     ``token_ids`` (lists of ids) replaces tokenizing ``prompts``; ``exact`` is described in the
     module docstring (None: stock quantized kernels off the CPU, dequantized Linears on it).
+    ``compute_dtype`` (only without ``exact``): "float32" runs the activations and the dequantized
+    matmuls in float32; None picks it on the CPU when its float32 GEMM is faster
+    (``fast_float_dtype``), else keeps the model's dtype.
     """
     if hidden not in ("post-norm", "pre-norm"):
         raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
@@ -596,6 +667,14 @@ def layerwise_acceptance(
         emb = _Embedding(folder, token_ids)
         xs = [emb(ids) for ids in token_ids]
         nexts = [emb(ids[1:]) for ids in token_ids]
+        dtype = xs[0].dtype
+        if not exact:
+            if compute_dtype is not None:
+                dtype = getattr(mx, compute_dtype)
+            elif mx.default_device() == mx.cpu:
+                dtype = fast_float_dtype(dtype)
+            xs, nexts = [x.astype(dtype) for x in xs], [x.astype(dtype) for x in nexts]
+        result.compute_dtype = str(dtype).replace("mlx.core.", "")
         mx.eval(xs, nexts)
         result.stages.append(("embed_tokens rows", emb.nbytes))
         del emb
@@ -606,7 +685,7 @@ def layerwise_acceptance(
         for i in range(n_layers):
             progress(f"layer {i + 1}/{n_layers}")
             layer = _load_layer(folder, i)
-            _finish_layer(layer, exact)
+            _finish_layer(layer, exact, dtype)
             result.stages.append((f"layer {i}", _param_bytes(layer)))
             for p, x in enumerate(xs):
                 # as Qwen3_5TextModel.__call__ with cache=None
@@ -624,7 +703,7 @@ def layerwise_acceptance(
 
         progress("MTP head")
         head = _load_head(folder, head_tensors)
-        _finish_layer(head, exact)
+        _finish_layer(head, exact, dtype)
         result.stages.append(("mtp head (fc, norms, layer 0)", _param_bytes(head)))
         feed = hs if hidden == "post-norm" else xs
         states = []
@@ -636,7 +715,7 @@ def layerwise_acceptance(
         gc.collect()
         mx.clear_cache()
 
-        ids, block = _run_lm_head_blocks(folder, [[h, s] for h, s in zip(hs, states)], exact, vocab_block_bytes,
+        ids, block = _run_lm_head_blocks(folder, [[h, s] for h, s in zip(hs, states)], exact, dtype, vocab_block_bytes,
                                          progress)
         result.stages.append(("lm_head block", block))
         for bb, hd in ids:
@@ -701,13 +780,15 @@ def main(argv=None) -> int:
     ap.add_argument("--mtp-hidden", choices=["post-norm", "pre-norm"], default="post-norm")
     ap.add_argument("--exact", action="store_true", default=None,
                     help="stock quantized kernels everywhere (bit-identical to the loaded model; slow on the CPU)")
+    ap.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="activations and dequantized matmuls (default: float32 where its GEMM is faster)")
     ap.add_argument("--vocab-block-mb", type=float, default=DEFAULT_VOCAB_BLOCK_BYTES / 2**20)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}",
                                                                    file=sys.stderr, flush=True))
     r = layerwise_acceptance(args.path, args.prompt, max_prompt_tokens=args.max_prompt_tokens,
-                             hidden=args.mtp_hidden, min_acceptance=args.min_acceptance, exact=args.exact,
+                             hidden=args.mtp_hidden, min_acceptance=args.min_acceptance, exact=args.exact, compute_dtype=args.compute_dtype,
                              vocab_block_bytes=int(args.vocab_block_mb * 2**20), progress=say)
     print(json.dumps(r.to_json()))
     return 0 if r.ok else 1
