@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.errors import LayoutError
 from mtpconvert.fixture import fixture_path
+from mtpconvert.runtime import layerwise
 from mtpconvert.runtime.layerwise import (
     DEFAULT_MIN_ACCEPTANCE,
     cast_float_experts,
@@ -134,12 +134,16 @@ def test_tied_embeddings_equal_the_loaded_model(folders, tmp_path, quantized):
 
 
 @pytest.mark.parametrize("variant", ["dense-q4", "moe-q4"])
-def test_dequantized_cpu_path_agrees_with_exact(folders, variant):
-    """exact=False (the CPU default): float matmuls of the dequantized weights, same predictions up to rounding."""
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_dequantized_cpu_path_agrees_with_exact(folders, monkeypatch, variant, dtype):
+    """exact=False (the CPU default): float matmuls of the dequantized weights, a block of rows at
+    a time (16-row blocks here), same predictions up to rounding."""
+    monkeypatch.setattr(layerwise, "LINEAR_BLOCK_BYTES", 16 * 96 * 4)
     path = folders(variant)
     ids = token_ids(path)
     exact = layerwise_acceptance(path, token_ids=ids, exact=True)
-    fast = layerwise_acceptance(path, token_ids=ids, exact=False)
+    fast = layerwise_acceptance(path, token_ids=ids, exact=False, compute_dtype=dtype, vocab_block_bytes=4096)
+    assert fast.compute_dtype == (dtype or fast.compute_dtype) and not fast.exact
     pairs = [(a, b) for x, y in zip(exact.head_next + exact.backbone_next, fast.head_next + fast.backbone_next)
              for a, b in zip(x, y)]
     assert sum(a == b for a, b in pairs) >= 0.97 * len(pairs)

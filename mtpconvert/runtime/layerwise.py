@@ -33,11 +33,13 @@ Activations are the prompts' hidden states (``tokens x hidden``, a few MB for a 
 
 ``exact=True`` runs every layer with the stock modules, so the predictions are the ones the
 fully loaded model makes (the tests check this bit for bit). mlx's CPU backend multiplies
-quantized matrices by many rows slowly (~0.1 GFLOP/s here against ~2 for a float GEMM), so
-``exact=None`` (the default) dequantizes each affine-quantized ``Linear`` and ``lm_head`` block
-after reading it when running on the CPU: a float matmul of the same weights, the same
-predictions up to rounding. On the CPU, unquantized MoE experts are cast to float32 because
-mlx's CPU ``gather_mm`` is float32-only (``cast_float_experts``; the reference does the same).
+quantized matrices by many rows slowly (~0.1 GFLOP/s here against ~1-2 for a float GEMM), so
+``exact=None`` (the default) runs on the CPU with every affine-quantized ``Linear`` (and every
+``lm_head`` block) as a ``BlockLinear``: dequantized a block of rows at a time and multiplied in
+floating point, the same predictions up to rounding (float32 where this machine's float32 GEMM
+is faster, see ``fast_float_dtype``). On the CPU, unquantized MoE experts are cast to float32
+because mlx's CPU ``gather_mm`` is float32-only (``cast_float_experts``; the reference does the
+same). See docs/smoke.md for measured memory and time.
 """
 
 from __future__ import annotations
@@ -286,7 +288,7 @@ class BlockLinear(nn.Module):
     the next, so a layer's resident memory stays its stored weights plus one block of
     ``LINEAR_BLOCK_BYTES``, however large its matrices are."""
 
-    def __init__(self, m: nn.Module, dtype, block_bytes: int = LINEAR_BLOCK_BYTES):
+    def __init__(self, m: nn.Module, dtype, block_bytes: Optional[int] = None):
         super().__init__()
         self.quantized = isinstance(m, nn.QuantizedLinear)
         for k in ("weight", "scales", "biases", "bias"):
@@ -298,7 +300,7 @@ class BlockLinear(nn.Module):
         else:
             in_dims = m["weight"].shape[1]
         self.dtype = dtype
-        self.rows = max(1, block_bytes // (in_dims * dtype.size))
+        self.rows = max(1, (block_bytes or LINEAR_BLOCK_BYTES) // (in_dims * dtype.size))
 
     def _block(self, a: int, b: int) -> mx.array:
         if self.quantized:
