@@ -106,21 +106,6 @@ def run_child(kind: str, out: Path, args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def largest_layer_bytes(out: Path) -> dict:
-    """Stored bytes per decoder layer / MTP head / embedding / lm_head of the converted folder."""
-    import re
-
-    from mtpconvert.safetensors_io import read_header
-
-    groups = {}
-    for f in weight_files(out):
-        for k, t in read_header(Path(f)).tensors.items():
-            m = re.match(r"language_model\.model\.layers\.(\d+)\.", k)
-            g = f"layer {m.group(1)}" if m else ("mtp" if ".mtp." in "." + k else k.rsplit(".", 1)[0])
-            groups[g] = groups.get(g, 0) + t.nbytes
-    return groups
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a folder name under ../shared/layouts, e.g. Qwen3.5-27B")
@@ -158,7 +143,9 @@ def main(argv=None):
             shutil.rmtree(raw)  # disk: only the converted folder is needed from here on
             for f in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(fixture_path("dense") / f, out / f)
-        groups = largest_layer_bytes(out)
+        from mtpconvert.runtime.layerwise import stored_bytes_by_unit
+
+        groups = stored_bytes_by_unit(out)
         report["weight_bytes"] = sum(groups.values())
         report["largest_layer_bytes"] = max(v for k, v in groups.items() if k.startswith(("layer", "mtp")))
         report["groups"] = groups

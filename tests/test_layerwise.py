@@ -19,9 +19,11 @@ from mtpconvert.runtime import layerwise
 from mtpconvert.runtime.layerwise import (
     DEFAULT_MIN_ACCEPTANCE,
     cast_float_experts,
+    folder_weight_bytes,
     layerwise_acceptance,
     locate_mtp,
     smoke_mode,
+    stored_bytes_by_unit,
     teacher_forced_full,
 )
 from mtpconvert.runtime.load import load
@@ -33,6 +35,7 @@ VARIANTS = {  # name: (fixture, convert options)
     "moe-f32": ("moe", ["--dtype", "float32"]),
     "moe-q4": ("moe", ["--bits", "4", "--group-size", "32"]),  # bf16 MTP experts: cast to f32 on the CPU
     "moe-q4-match": ("moe", ["--bits", "4", "--group-size", "32", "--mtp", "match"]),
+    "moe-bf16": ("moe", []),  # the decoding smoke cannot run this on the CPU; both sides cast experts to f32
 }
 
 
@@ -298,3 +301,11 @@ def test_smoke_mode():
     assert smoke_mode(4 * gib, 16 * gib, full_runs_here=False) == "layerwise"
     assert smoke_mode(4 * gib, None) == "layerwise"
     assert DEFAULT_MIN_ACCEPTANCE == 0.30
+
+
+def test_stored_bytes_by_unit(folders):
+    path = folders("moe-q4")
+    units = stored_bytes_by_unit(path)
+    assert {"embed_tokens", "lm_head", "mtp", "layer 0", "layer 3"} <= set(units)
+    assert units["mtp"] == locate_mtp(path).nbytes
+    assert sum(units.values()) < folder_weight_bytes(path)  # the rest is headers

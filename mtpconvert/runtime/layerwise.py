@@ -47,7 +47,6 @@ from __future__ import annotations
 import gc
 import glob
 import json
-import math
 import os
 import resource
 import sys
@@ -59,11 +58,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-
 from mlx.utils import tree_map
 
 from ..errors import LayoutError
-from ..safetensors_io import DTYPES, Header, TensorInfo, TensorReader, read_header
+from ..safetensors_io import Header, TensorInfo, TensorReader, read_header
 from .mtp import MTPHead
 from .smoke import DEFAULT_MIN_ACCEPTANCE
 
@@ -147,6 +145,30 @@ def folder_weight_bytes(path: Path) -> int:
     path = Path(path)
     files = _shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
     return sum(os.path.getsize(f) for f in files)
+
+
+def stored_bytes_by_unit(path: Path) -> Dict[str, int]:
+    """Stored bytes of each unit the layerwise check holds at once: ``layer N``, ``mtp`` (the whole
+    head; the check holds its first layer), ``embed_tokens``, ``lm_head``, ``other``. Headers only.
+    The check's peak is about the largest layer or head plus ~0.3 GB of activations and runtime."""
+    import re
+
+    path = Path(path)
+    files = _shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
+    units: Dict[str, int] = {}
+    for f in files:
+        for k, t in read_header(Path(f)).tensors.items():
+            m = re.match(r"language_model\.model\.layers\.(\d+)\.", k)
+            if m:
+                unit = f"layer {m.group(1)}"
+            elif k.startswith(HEAD_PREFIXES):
+                unit = "mtp"
+            elif ".embed_tokens." in k or ".lm_head." in k:
+                unit = "embed_tokens" if ".embed_tokens." in k else "lm_head"
+            else:
+                unit = "other"
+            units[unit] = units.get(unit, 0) + t.nbytes
+    return units
 
 
 def available_memory_bytes() -> Optional[int]:
@@ -747,6 +769,8 @@ def peak_rss_bytes() -> int:
 def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "post-norm",
                         min_acceptance: float = DEFAULT_MIN_ACCEPTANCE) -> LayerwiseResult:
     """``m``: a ``runtime.load.MTPModel``. Uses the stock forward of mlx-lm's text model."""
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
     result = LayerwiseResult("", hidden, "loaded", True, min_acceptance)
     inner = m.lm.model
     for ids in token_ids:
@@ -755,8 +779,6 @@ def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "po
         tokens = mx.array([list(ids)])
         x = inner.embed_tokens(tokens)
         for layer in inner.layers:  # Qwen3_5TextModel.__call__ without the final norm
-            from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
             mask = create_ssm_mask(x, None) if layer.is_linear else create_attention_mask(x, None)
             x = layer(x, mask=mask, cache=None)
         h = inner.norm(x)
@@ -790,8 +812,8 @@ def main(argv=None) -> int:
     say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}",
                                                                    file=sys.stderr, flush=True))
     r = layerwise_acceptance(args.path, args.prompt, max_prompt_tokens=args.max_prompt_tokens,
-                             hidden=args.mtp_hidden, min_acceptance=args.min_acceptance, exact=args.exact, compute_dtype=args.compute_dtype,
-                             vocab_block_bytes=int(args.vocab_block_mb * 2**20), progress=say)
+                             hidden=args.mtp_hidden, min_acceptance=args.min_acceptance, exact=args.exact,
+                             compute_dtype=args.compute_dtype, vocab_block_bytes=int(args.vocab_block_mb * 2**20), progress=say)
     print(json.dumps(r.to_json()))
     return 0 if r.ok else 1
 
