@@ -14,6 +14,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config, load_model
 
 from ..errors import LayoutError
@@ -50,6 +51,22 @@ def _mtp_weights(path: Path) -> Dict[str, mx.array]:
     return weights
 
 
+def float32_experts_on_cpu(module: nn.Module) -> int:
+    """Cast float expert stacks to float32 when running on the CPU; return how many were cast.
+
+    MLX's CPU ``gather_mm`` is float32-only, so a bf16/fp16 MoE cannot run there as stored;
+    in float32 it runs (quantized experts use ``gather_qmm`` and are left alone).
+    """
+    if mx.default_device() != mx.cpu:
+        return 0
+    cast = 0
+    for _, m in module.named_modules():
+        if type(m) is SwitchLinear and m.weight.dtype != mx.float32:
+            m.weight = m.weight.astype(mx.float32)
+            cast += 1
+    return cast
+
+
 def load(path: Path, lazy: bool = False) -> MTPModel:
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -81,6 +98,8 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise LayoutError(f"MTP weights do not fit the MTP head: {e}", file=path) from e
+    float32_experts_on_cpu(model)
+    float32_experts_on_cpu(head)
     if not lazy:
         mx.eval(head.parameters())
     head.eval()
