@@ -49,10 +49,12 @@ def test_mtp_hidden_feeds_that_state_to_the_head(tmp_path, hidden, which):
     import mlx.core as mx
 
     from mtpconvert.runtime.load import load
+    from mtpconvert.runtime.smoke import encode_prompts
     from mtpconvert.runtime.speculative import backbone_forward, mtp_generate
 
-    m = load(convert(tmp_path, "o"))
-    prompt = fixture_prompts(1)[0]
+    folder = convert(tmp_path, "o")
+    m = load(folder)
+    prompt = encode_prompts(folder, fixture_prompts(1))[0]
     seen = []
     real = type(m.head).__call__
 
