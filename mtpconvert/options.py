@@ -46,6 +46,9 @@ class QuantOptions:
                 )
         if self.mtp not in MTP_POLICIES:
             raise OptionsError(f"--mtp must be one of {MTP_POLICIES}, got {self.mtp!r}")
+        if self.bits is None and self.mode != "affine":
+            raise OptionsError(f"--q-mode {self.mode} needs --bits {allowed_bits[0]} (without --bits nothing is "
+                               "quantized)")
         mtp = self.mtp
         if self.mtp_bits is not None:
             if self.mtp_bits not in MODES["affine"][0]:

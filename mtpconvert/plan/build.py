@@ -258,6 +258,8 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     if dtype not in FLOAT_DTYPES:
         raise OptionsError(f"--dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
 
+    if opts.max_shard_bytes <= 0:
+        raise OptionsError(f"--max-shard-size must be > 0 GB, got {opts.max_shard_bytes / (1 << 30):g}")
     style = detect_style(ckpt.tensors)
     raw = detect_raw(ckpt)
     mapped = _map_all(ckpt)
@@ -342,6 +344,9 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         decisions[slot] = q
         items.append(PlanItem(slot, sources, gather, _steps(slot, gather, raw, dtype, q), _out_dtype(slot, dtype), q))
 
+    if opts.keep_vision and not vision:
+        raise OptionsError("--keep-vision: the source has no vision tower (no model.visual.* tensors)",
+                           file=ckpt.root)
     for m in vision:
         if not opts.keep_vision:
             dropped.append((m.source, "vision tower (use --keep-vision)"))

@@ -67,10 +67,27 @@ def float32_experts_on_cpu(module: nn.Module) -> int:
     return cast
 
 
+def _refuse_raw(path: Path) -> None:
+    """A raw Hugging Face folder has an MTP head but no MLX layout yet: say so, not "no MTP head"."""
+    from ..io.checkpoint import open_checkpoint
+    from ..model.keys import RAW_TEXT, RAW_VLM
+    from ..plan import detect_style
+
+    try:
+        ckpt = open_checkpoint(path)
+        style = detect_style(ckpt.tensors)
+    except Exception:  # noqa: BLE001 - loading below names what is wrong with the folder
+        return
+    if style in (RAW_VLM, RAW_TEXT):
+        raise LayoutError("this is a raw Hugging Face checkpoint: convert it first", file=path,
+                          hint=f"mtpconvert convert {path} OUT")
+
+
 def load(path: Path, lazy: bool = False) -> MTPModel:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise LayoutError("not a converted model folder: no config.json", file=path)
+    _refuse_raw(path)
     model, config = load_model(path, lazy=lazy)
     tc = config.get("text_config", config)
     n = int(tc.get("mtp_num_hidden_layers", 0) or 0)
