@@ -187,11 +187,15 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def add_mtp(source_repo: str, mlx_dir: PathLike, *, revision: Optional[str] = None, mtp: str = "keep",
+def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, mtp: str = "keep",
             mtp_bits: Optional[int] = None, token: Optional[str] = None, checks: Checks = Checks(),
             events: Optional[Events] = None) -> dict:
-    """Graft the MTP head of ``source_repo`` onto an existing MLX folder, reading only the head's bytes."""
-    from .graft import add_mtp_from_hub
+    """Graft the MTP head of ``source`` onto an existing MLX folder.
+
+    ``source`` is the original release: a Hub repo id (only the head's byte ranges are read)
+    or a local raw folder (offline).
+    """
+    from .graft import add_mtp_from_hub, graft
 
     events = events or Events()
     if mtp == "drop":
@@ -202,8 +206,12 @@ def add_mtp(source_repo: str, mlx_dir: PathLike, *, revision: Optional[str] = No
         run_checks(folder, checks, record, has_mtp=True, on_stage=events.stage)
 
     try:
-        info = add_mtp_from_hub(source_repo, Path(mlx_dir), revision=revision, token=token, mtp=mtp,
-                                mtp_bits=mtp_bits, check=check)
+        if Path(source).is_dir():
+            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, check=check)
+            info = {"sha": "local", "fetched_bytes": 0, "source_bytes": 0, "added": len(added)}
+        else:
+            info = add_mtp_from_hub(source, Path(mlx_dir), revision=revision, token=token, mtp=mtp,
+                                    mtp_bits=mtp_bits, check=check)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
     info["checks"] = record

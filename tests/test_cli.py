@@ -135,3 +135,18 @@ def test_an_unknown_exception_is_a_bug_report_not_a_hub_error(monkeypatch, tmp_p
     monkeypatch.setenv("MTPCONVERT_DEBUG", "1")
     result = CliRunner().invoke(app, ["convert", str(fixture_path("dense")), str(tmp_path / "o")])
     assert "Traceback" in result.output
+
+
+def test_add_mtp_on_a_stock_mlx_lm_folder_from_a_local_source(tmp_path):
+    """The folder add-mtp exists for: made by mlx_lm.convert (no mtpconvert metadata), head from a local raw folder."""
+    from mlx_lm import convert as mlx_lm_convert
+
+    from mtpconvert.verify import verify
+
+    folder = tmp_path / "mlx-lm-4bit"
+    mlx_lm_convert(str(fixture_path("dense")), mlx_path=str(folder), quantize=True, q_bits=4, q_group_size=32)
+    assert not verify(folder).mtp_complete
+    result = CliRunner().invoke(app, ["add-mtp", str(fixture_path("dense")), str(folder)])
+    assert result.exit_code == 0, result.output
+    assert "pass" in result.output and "added" in result.output
+    assert verify(folder).ok and verify(folder).mtp_complete

@@ -25,6 +25,8 @@ UPLOAD_EPILOG = """Examples:
 ADD_MTP_EPILOG = """Examples:
 
   mtpconvert add-mtp Qwen/Qwen3.5-27B mlx-community-Qwen3.5-27B-4bit/
+
+  mtpconvert add-mtp ~/models/Qwen3.5-27B my-mlx-4bit/   (offline, from a local raw folder)
 """
 
 
@@ -45,7 +47,8 @@ def upload(
 
 @handled
 def add_mtp(
-    source_repo: Annotated[str, typer.Argument(help="The original release on the Hub, e.g. Qwen/Qwen3.5-27B.")],
+    source_repo: Annotated[str, typer.Argument(help="The original release: a Hub repo id (e.g. Qwen/Qwen3.5-27B) "
+                                               "or a local raw folder.")],
     mlx_dir: Annotated[Path, typer.Argument(help="Existing MLX folder without an MTP head (e.g. from "
                                             "mlx_lm.convert).")],
     revision: o.Revision = None,
@@ -56,7 +59,7 @@ def add_mtp(
     no_smoke: o.NoSmoke = False,
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
 ):
-    """Graft the MTP head onto an existing MLX folder, reading only the mtp.* byte ranges from the Hub."""
+    """Graft the MTP head onto an existing MLX folder (from the Hub, reading only the mtp.* byte ranges)."""
     with rich_events(console) as events:
         info = api.add_mtp(source_repo, mlx_dir, revision=revision, mtp=mtp.value, mtp_bits=mtp_bits, token=token,
                            checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance), events=events)

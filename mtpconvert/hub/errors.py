@@ -35,13 +35,14 @@ def hub_api(token: Optional[str]):
     return HfApi(endpoint=endpoint(), token=token)
 
 
-def hub_error(e: Exception, repo_id: str, what: str) -> HubError:
-    """Turn huggingface_hub / network exceptions into one clear line (never echoing headers)."""
+def hub_error(e: Exception, repo_id: str, what: str) -> Exception:
+    """huggingface_hub and network exceptions as one clear line (never echoing headers); others unchanged."""
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
         HfHubHTTPError,
         RepositoryNotFoundError,
+        HFValidationError,
         RevisionNotFoundError,
     )
 
@@ -57,5 +58,17 @@ def hub_error(e: Exception, repo_id: str, what: str) -> HubError:
     if isinstance(e, HfHubHTTPError):
         status = getattr(getattr(e, "response", None), "status_code", "?")
         return HubError(f"the Hub answered HTTP {status} for {what} in {repo_id}", file=what)
-    return HubError(f"could not reach the Hub for {what} in {repo_id}: {type(e).__name__}", file=what,
-                    hint="check the network / HF_ENDPOINT; downloads resume where they stopped")
+    if isinstance(e, HFValidationError):
+        return HubError(f"{repo_id!r} is not a valid Hub repository id: {e}", file=what,
+                        hint="a Hub id is owner/name; for a local folder use the command that takes a path")
+    if _network(e):
+        return HubError(f"could not reach the Hub for {what} in {repo_id}: {type(e).__name__}", file=what,
+                        hint="check the network / HF_ENDPOINT; downloads resume where they stopped")
+    return e  # not a Hub or network failure: the CLI's error table reports it for what it is
+
+
+def _network(e: BaseException) -> bool:
+    """Connection, timeout and transport errors of the HTTP stacks huggingface_hub uses."""
+    if isinstance(e, (OSError, TimeoutError)):
+        return True
+    return any(c.__module__.startswith(("httpx", "httpcore", "requests", "urllib3")) for c in type(e).__mro__)
