@@ -1,0 +1,717 @@
+"""Layer-by-layer MTP acceptance check: the smoke test for models that do not fit in memory.
+
+``mtpconvert smoke`` loads the whole model and decodes; a 27B-397B conversion on a 16 GB
+runner cannot. This check streams the folder one decoder layer at a time over a short batch
+of real text and measures the head **teacher-forced**:
+
+    backbone   x_0 = embed(tokens); x_i = layer_i(x_{i-1}); h = norm(x_n)     (all prompts, all positions)
+    head       s_t = mtp(h_t, embed(token_{t+1}))   (fresh KV cache over the whole sequence)
+    compare    argmax lm_head(mtp.norm(s_t))  ==  argmax lm_head(h_{t+1})    for t = 0 .. L-2
+
+that is, the head's guess for token t+2 against the backbone's greedy prediction of the same
+token given the true t+1. That is exactly the question the first draft of every greedy decode
+step asks, so on a correct head it is the greedy acceptance, and on a broken head (norms not
+shifted, experts out of order, wrong hidden state) it collapses.
+
+What is resident when (everything else stays on disk):
+
+1. headers of every shard, and the folder's tensors as *lazy* ``mx.load`` arrays (``mx.load``
+   reads a tensor's bytes only when that array is evaluated, straight into its buffer);
+2. the embedding rows of the prompts' distinct tokens, copied out of the file (a quantized
+   table is gathered row-wise and dequantized by mlx's own ``QuantizedEmbedding``), never the
+   table;
+3. one decoder layer at a time: built from mlx-lm's own class (``DecoderLayer`` of
+   ``qwen3_5`` / ``qwen3_5_moe``), quantized from config.json exactly as
+   ``mlx_lm.utils.load_model`` does, filled with only its tensors (after mlx-lm's ``sanitize``),
+   run over every prompt, then dropped (``mx.clear_cache`` returns its buffers);
+4. the MTP head's first layer with ``fc`` and its norms (located by ``locate_mtp``: a root
+   ``mtp.safetensors`` sidecar or ``language_model.mtp.*`` inside the shards);
+5. ``lm_head`` (or the tied embedding) a block of vocabulary rows at a time, for the backbone's
+   and the head's states together, keeping a running argmax.
+
+Activations are the prompts' hidden states (``tokens x hidden``, a few MB for a 27B model).
+
+``exact=True`` runs every layer with the stock modules, so the predictions are the ones the
+fully loaded model makes (the tests check this bit for bit). mlx's CPU backend multiplies
+quantized matrices by many rows slowly (~0.1 GFLOP/s here against ~2 for a float GEMM), so
+``exact=None`` (the default) dequantizes each affine-quantized ``Linear`` and ``lm_head`` block
+after reading it when running on the CPU: a float matmul of the same weights, the same
+predictions up to rounding. On the CPU, unquantized MoE experts are cast to float32 because
+mlx's CPU ``gather_mm`` is float32-only (``cast_float_experts``; the reference does the same).
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import LayoutError
+from ..safetensors_io import DTYPES, Header, TensorInfo, TensorReader, read_header
+from .mtp import MTPHead
+from .smoke import DEFAULT_MIN_ACCEPTANCE
+
+# Root sidecar first (the layout the converter is moving to), then in-model keys.
+SIDECAR = "mtp.safetensors"
+HEAD_PREFIXES = ("mtp.", "language_model.mtp.")
+IN_MODEL_PREFIX = "language_model.mtp."
+
+# Written for this check (not from any corpus): plain prose, code and a list, so that a head is
+# scored on the kinds of text it will draft for. Each prompt is cut to ``max_prompt_tokens``.
+DEFAULT_PROMPTS = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. He carried a small "
+    "oil lamp, a notebook and a thermos of tea, and he wrote down the colour of the sky, the height "
+    "of the waves and the names of the ships that passed. After forty years the notebooks filled a "
+    "whole shelf, and the town's children came to read them on rainy afternoons, looking for the "
+    "day they were born and the weather their parents had seen that morning.",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n    i = j = 0\n"
+    "    out = []\n    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n"
+    "            out.append(a[i])\n            i += 1\n        else:\n            out.append(b[j])\n"
+    "            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n\n\n"
+    "def test_merge_sorted():\n    assert merge_sorted([1, 4, 9], [2, 3, 10]) == [1, 2, 3, 4, 9, 10]\n",
+    "How to repot a houseplant, step by step:\n1. Water the plant a day before, so the roots hold "
+    "together.\n2. Choose a pot one size larger, with a drainage hole.\n3. Put a layer of fresh soil "
+    "at the bottom.\n4. Turn the old pot over, support the stem between two fingers and tap the rim "
+    "until the plant slides out.\n5. Loosen the outer roots gently and set the plant in the new pot "
+    "at the same depth as before.\n6. Fill the sides with soil, press lightly and water well.",
+)
+DEFAULT_MAX_PROMPT_TOKENS = 96
+# lm_head rows read per block: bounded in stored bytes (and again after dequantization).
+DEFAULT_VOCAB_BLOCK_BYTES = 128 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# where the head lives
+
+
+@dataclass
+class HeadTensors:
+    """The MTP head's tensors: ``tensors`` maps the head-local name (``fc.weight``,
+    ``layers.0.self_attn.q_proj.scales``...) to where it is stored."""
+
+    source: str  # "sidecar" | "in-model"
+    prefix: str  # key prefix inside the files
+    tensors: Dict[str, TensorInfo]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def locate_mtp(path: Path, headers: Optional[Sequence[Header]] = None) -> Optional[HeadTensors]:
+    """Find the MTP head of a converted folder: ``mtp.safetensors`` at the root (``mtp.*`` keys,
+    or ``language_model.mtp.*``), else ``language_model.mtp.*`` inside ``model*.safetensors``.
+    Headers only; None when there is no head."""
+    path = Path(path)
+    sidecar = path / SIDECAR
+    if sidecar.is_file():
+        header = read_header(sidecar)
+        for prefix in HEAD_PREFIXES:
+            found = {k[len(prefix):]: t for k, t in header.tensors.items() if k.startswith(prefix)}
+            if found:
+                return HeadTensors("sidecar", prefix, found)
+    headers = headers if headers is not None else [read_header(Path(f)) for f in _shard_files(path)]
+    found = {}
+    for header in headers:
+        found.update({k[len(IN_MODEL_PREFIX):]: t for k, t in header.tensors.items()
+                      if k.startswith(IN_MODEL_PREFIX)})
+    return HeadTensors("in-model", IN_MODEL_PREFIX, found) if found else None
+
+
+def _shard_files(path: Path) -> List[str]:
+    return sorted(glob.glob(str(Path(path) / "model*.safetensors")))  # what mlx_lm's load_model reads
+
+
+# --------------------------------------------------------------------------------------------
+# full or layerwise: a pure decision the caller feeds with measured numbers
+
+
+def folder_weight_bytes(path: Path) -> int:
+    """Bytes of every weight file the full smoke would load (shards and the MTP sidecar)."""
+    path = Path(path)
+    files = _shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
+    return sum(os.path.getsize(f) for f in files)
+
+
+def available_memory_bytes() -> Optional[int]:
+    """Memory this process can still use: MemAvailable, capped by a cgroup v2 limit (Linux);
+    physical memory elsewhere. None when unknown."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max" and avail is not None:
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def smoke_mode(weight_bytes: int, available_bytes: Optional[int], *, full_runs_here: bool = True,
+               headroom: float = 0.25, reserve_bytes: int = 1 << 30) -> str:
+    """"full" when the whole model (plus ``headroom`` of it for the decode's caches and
+    temporaries, plus ``reserve_bytes``) fits in ``available_bytes``, else "layerwise".
+    ``full_runs_here=False`` (e.g. bf16 MoE experts on mlx's CPU backend) forces "layerwise",
+    which can run them in float32 one layer at a time."""
+    if not full_runs_here or available_bytes is None:
+        return "layerwise"
+    return "full" if weight_bytes * (1 + headroom) + reserve_bytes <= available_bytes else "layerwise"
+
+
+# --------------------------------------------------------------------------------------------
+# result
+
+
+@dataclass
+class LayerwiseResult:
+    path: str
+    hidden: str
+    head_source: str
+    exact: bool
+    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
+    per_prompt: List[Tuple[int, int]] = field(default_factory=list)  # (agreed, compared)
+    backbone_next: List[List[int]] = field(default_factory=list)  # backbone argmax at positions 1..L-1
+    head_next: List[List[int]] = field(default_factory=list)  # head argmax at positions 0..L-2
+    prompt_tokens: List[int] = field(default_factory=list)
+    stages: List[Tuple[str, int]] = field(default_factory=list)  # (stage, weight bytes resident)
+    seconds: float = 0.0
+    read_bytes: int = 0
+    peak_mlx_bytes: int = 0
+    peak_rss_bytes: int = 0
+
+    @property
+    def agreed(self) -> int:
+        return sum(a for a, _ in self.per_prompt)
+
+    @property
+    def compared(self) -> int:
+        return sum(n for _, n in self.per_prompt)
+
+    @property
+    def acceptance(self) -> float:
+        return self.agreed / self.compared if self.compared else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.compared > 0 and self.acceptance >= self.min_acceptance
+
+    @property
+    def largest_stage_bytes(self) -> int:
+        return max((b for _, b in self.stages), default=0)
+
+    def to_json(self) -> dict:
+        return {
+            "path": self.path,
+            "check": "layerwise-teacher-forced",
+            "hidden": self.hidden,
+            "head_source": self.head_source,
+            "exact": self.exact,
+            "acceptance": round(self.acceptance, 4),
+            "agreed": self.agreed,
+            "compared": self.compared,
+            "per_prompt": [round(a / n, 4) if n else None for a, n in self.per_prompt],
+            "prompt_tokens": self.prompt_tokens,
+            "min_acceptance": self.min_acceptance,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 2),
+            "read_bytes": self.read_bytes,
+            "largest_stage_bytes": self.largest_stage_bytes,
+            "peak_mlx_bytes": self.peak_mlx_bytes,
+            "peak_rss_bytes": self.peak_rss_bytes,
+        }
+
+
+def agreement(backbone_next: Sequence[int], head_next: Sequence[int]) -> Tuple[int, int]:
+    """(agreed, compared): head_next[t] (token t+2 from h_t, token t+1) against backbone_next[t]
+    (the backbone's argmax at position t+1)."""
+    n = min(len(backbone_next), len(head_next))
+    return sum(int(a == b) for a, b in zip(backbone_next[:n], head_next[:n])), n
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces (also used by the full-model reference)
+
+
+def cast_float_experts(module: nn.Module) -> int:
+    """On mlx's CPU backend ``gather_mm`` is float32-only: cast every unquantized
+    ``SwitchLinear`` under ``module`` to float32 (quantized experts use ``gather_qmm`` and stay).
+    Returns the number of arrays cast; does nothing off the CPU."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    if mx.default_device() != mx.cpu:
+        return 0
+    n = 0
+    for _, m in module.named_modules():
+        if isinstance(m, SwitchLinear):
+            for k in ("weight", "bias"):
+                if k in m and m[k].dtype != mx.float32:
+                    m[k] = m[k].astype(mx.float32)
+                    mx.eval(m[k])  # one projection at a time: its bf16 copy is freed before the next
+                    n += 1
+    return n
+
+
+def dequantize_linears(module: nn.Module) -> int:
+    """Replace every affine ``QuantizedLinear`` under ``module`` by an ``nn.Linear`` holding its
+    dequantized weight (dtype of the scales, what ``quantized_matmul`` returns). Returns the count."""
+    n = 0
+
+    def swap(m):
+        nonlocal n
+        if isinstance(m, nn.QuantizedLinear) and m.mode == "affine":
+            w = mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size,
+                              bits=m.bits, mode=m.mode)
+            out_dims, in_dims = w.shape
+            lin = nn.Linear(in_dims, out_dims, bias="bias" in m)
+            lin.weight = w
+            if "bias" in m:
+                lin.bias = m["bias"]
+            mx.eval(lin.parameters())
+            n += 1
+            return lin
+        return m
+
+    from mlx.utils import tree_map
+
+    leaves = tree_map(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
+    module.update_modules(leaves)
+    return n
+
+
+def _param_bytes(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def _quant_predicate(prefixes: Sequence[str], quant: dict, weights: Dict[str, mx.array]):
+    """mlx_lm.utils.load_model's class predicate, for a module whose full path is prefix + p.
+    ``prefixes``: the key prefix of the stored tensors first, then other names the per-path
+    quantization entries may use (the MTP head's sidecar keys are ``mtp.*``, config may say
+    ``language_model.mtp.*``)."""
+    from mlx_lm.utils import infer_quant_config
+
+    try:
+        from mlx_lm.utils import _takes_global_scale
+    except ImportError:  # older mlx-lm: no nvfp4 global scales
+        _takes_global_scale = None
+
+    def predicate(p, m):
+        for prefix in prefixes:
+            if prefix + p in quant:
+                return quant[prefix + p]
+        full = prefixes[0] + p
+        if not hasattr(m, "to_quantized") or f"{full}.scales" not in weights:
+            return False
+        params = infer_quant_config(full, m, weights)
+        if _takes_global_scale is not None and f"{full}.global_scale" in weights and _takes_global_scale(m):
+            params["global_scale"] = True
+        return params
+
+    return predicate
+
+
+def _quantize(module: nn.Module, prefixes: Sequence[str], quant: Optional[dict], weights: Dict[str, mx.array]):
+    if quant:
+        nn.quantize(module, group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"),
+                    class_predicate=_quant_predicate(prefixes, quant, weights))
+
+
+class _Holder(nn.Module):
+    """A parent for one loose module, so that ``nn.quantize`` sees it at path ``name``."""
+
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__()
+        setattr(self, name, module)
+
+
+# --------------------------------------------------------------------------------------------
+# the streaming model
+
+
+class _Folder:
+    """A converted folder opened for streaming: config, mlx-lm classes, headers, lazy tensors."""
+
+    def __init__(self, path: Path):
+        from mlx_lm.utils import _get_classes, load_config
+
+        self.path = Path(path)
+        if not (self.path / "config.json").is_file():
+            raise LayoutError("not a converted model folder: no config.json", file=self.path)
+        self.config = load_config(self.path)
+        files = _shard_files(self.path)
+        if not files:
+            raise LayoutError("no model*.safetensors in the folder", file=self.path)
+        self.headers = [read_header(Path(f)) for f in files]
+        self.infos: Dict[str, TensorInfo] = {}
+        for h in self.headers:
+            self.infos.update(h.tensors)
+        model_class, args_class = _get_classes(self.config)
+        # A shell of the whole model: its parameters are lazy random arrays that are never
+        # evaluated (no memory); it gives mlx-lm's sanitize, argument parsing and layer classes.
+        self.shell = model_class(args_class.from_dict(self.config))
+        self.args = self.shell.language_model.args
+        self.quant = self.config.get("quantization")
+        # Every tensor, lazily (nothing read) and sanitized exactly as load_model does. Entries
+        # are popped as they are consumed, so an evaluated tensor dies with its module.
+        lazy: Dict[str, mx.array] = {}
+        for f in files:
+            lazy.update(mx.load(f))
+        self.weights = self.shell.sanitize(lazy)
+        self.reader = TensorReader()
+        self.read_bytes = 0
+
+    # -- rows of the big shared tensors, straight from the file
+
+    def _info(self, key: str) -> TensorInfo:
+        if key not in self.infos:
+            raise LayoutError(f"tensor {key} not found", file=self.path,
+                              hint="the layerwise check reads converted MLX folders (language_model.* keys)")
+        return self.infos[key]
+
+    def gather_rows(self, key: str, rows: np.ndarray) -> mx.array:
+        info = self._info(key)
+        view = self.reader.view_rows(info, 0, info.shape[0])
+        picked = np.take(view, rows, axis=0)
+        del view
+        self.reader.drop_rows(info, 0, info.shape[0])
+        self.read_bytes += picked.nbytes
+        arr = mx.array(picked)
+        return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
+
+    def read_rows(self, key: str, start: int, stop: int) -> mx.array:
+        arr = self.reader.read_rows(self._info(key), start, stop)
+        self.read_bytes += arr.nbytes
+        return arr
+
+    def _module_keys(self, stem: str) -> List[str]:
+        return [k for k in self.infos if k.startswith(stem + ".")]
+
+    def close(self):
+        self.reader.close()
+
+
+class _Embedding:
+    """The prompts' rows of the input embedding, through mlx's own (Quantized)Embedding."""
+
+    def __init__(self, folder: _Folder, token_ids: Sequence[Sequence[int]]):
+        stem = "language_model.model.embed_tokens"
+        uniq = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids]))
+        if uniq.size and (uniq[0] < 0 or uniq[-1] >= folder._info(stem + ".weight").shape[0]):
+            raise ValueError(f"token ids outside the embedding (0..{folder._info(stem + '.weight').shape[0] - 1})")
+        holder = _Holder("embed_tokens", folder.shell.language_model.model.embed_tokens)
+        _quantize(holder, ("language_model.model.",), folder.quant, folder.weights)
+        self.module = holder.embed_tokens
+        self.module.update({k.rsplit(".", 1)[1]: folder.gather_rows(k, uniq) for k in folder._module_keys(stem)})
+        mx.eval(self.module.parameters())
+        self.index = {int(t): i for i, t in enumerate(uniq)}
+
+    def __call__(self, ids: Sequence[int]) -> mx.array:
+        local = mx.array([[self.index[int(t)] for t in ids]])
+        return self.module(local)
+
+    @property
+    def nbytes(self) -> int:
+        return _param_bytes(self.module)
+
+
+def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bool, block_bytes: int,
+                        progress: Callable[[str], None]) -> Tuple[List[List[List[int]]], int]:
+    """Running argmax of lm_head over vocabulary blocks, for every state array in ``states``
+    (``states[p][j]``: prompt p's j-th [1, L, H] array). Returns argmax ids, and the largest block's bytes."""
+    lm = folder.shell.language_model
+    tied = folder.args.tie_word_embeddings
+    stem = "language_model.model.embed_tokens" if tied else "language_model.lm_head"
+    name = "embed_tokens" if tied else "lm_head"
+    holder = _Holder(name, lm.model.embed_tokens if tied else lm.lm_head)
+    _quantize(holder, ("language_model.model.",) if tied else ("language_model.",), folder.quant, folder.weights)
+    module = getattr(holder, name)
+    keys = folder._module_keys(stem)
+    if not keys:
+        raise LayoutError(f"no {stem}.* tensors", file=folder.path)
+    vocab = folder._info(stem + ".weight").shape[0]
+    row_bytes = sum(folder._info(k).nbytes for k in keys) // vocab
+    quantized = isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    dequant = quantized and not exact and module.mode == "affine"
+    deq_row_bytes = folder.args.hidden_size * 4 if dequant else 0  # float32 scales at most
+    rows = max(1, min(vocab, block_bytes // max(row_bytes, deq_row_bytes, 1)))
+    best = [[None for _ in s] for s in states]
+    largest = 0
+    for start in range(0, vocab, rows):
+        stop = min(vocab, start + rows)
+        progress(f"lm_head rows {start}-{stop} of {vocab}")
+        module.update({k.rsplit(".", 1)[1]: folder.read_rows(k, start, stop) for k in keys})
+        mx.eval(module.parameters())
+        if dequant:
+            w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+                              bits=module.bits, mode=module.mode)
+            mx.eval(w)
+            fn = lambda x: x @ w.T  # noqa: E731  (nn.Linear's forward)
+        elif tied:
+            fn = module.as_linear
+        else:
+            fn = module
+        largest = max(largest, _param_bytes(module) + (w.nbytes if dequant else 0))
+        for p, arrs in enumerate(states):
+            for j, x in enumerate(arrs):
+                logits = fn(x)
+                val, idx = logits.max(axis=-1), logits.argmax(axis=-1) + start
+                if best[p][j] is None:
+                    best[p][j] = (val, idx)
+                else:
+                    bv, bi = best[p][j]
+                    take = val > bv  # strict: ties keep the lower id, as one argmax over all rows does
+                    best[p][j] = (mx.where(take, val, bv), mx.where(take, idx, bi))
+                mx.eval(*best[p][j])
+        w = None
+        fn = None
+        mx.clear_cache()
+    return [[b[1].reshape(-1).tolist() for b in row] for row in best], largest
+
+
+def _load_layer(folder: _Folder, i: int) -> nn.Module:
+    """Decoder layer i: mlx-lm's class, quantized as load_model would, filled with its tensors only."""
+    prefix = f"language_model.model.layers.{i}."
+    layer = type(folder.shell.language_model.model.layers[i])(folder.args, layer_idx=i)
+    weights = {k: folder.weights.pop(k) for k in [k for k in folder.weights if k.startswith(prefix)]}
+    _quantize(layer, (prefix,), folder.quant, weights)
+    layer.load_weights([(k[len(prefix):], v) for k, v in weights.items()], strict=True)
+    del weights  # the module now holds the only references
+    mx.eval(layer.parameters())
+    folder.read_bytes += sum(folder.infos[k].nbytes for k in folder._module_keys(prefix[:-1]))
+    layer.eval()
+    return layer
+
+
+def _finish_layer(module: nn.Module, exact: bool) -> None:
+    cast_float_experts(module)
+    if not exact:
+        dequantize_linears(module)
+
+
+def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
+    """The head's fc, norms and first layer (the one every first draft uses), as runtime.load builds it."""
+    files = sorted({t.file for t in head_tensors.tensors.values()})
+    wanted = {k for k in head_tensors.tensors if not k.startswith("layers.") or k.startswith("layers.0.")}
+    weights = {}
+    for f in files:
+        lazy = mx.load(str(f))
+        for k in wanted:
+            full = head_tensors.prefix + k
+            if full in lazy and head_tensors.tensors[k].file == f:
+                weights[k] = lazy[full]
+        del lazy
+    head = MTPHead(folder.args, 1)
+    prefixes = (head_tensors.prefix,) + tuple(p for p in HEAD_PREFIXES if p != head_tensors.prefix)
+    _quantize(head, prefixes, folder.quant, {head_tensors.prefix + k: v for k, v in weights.items()})
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise LayoutError(f"MTP weights do not fit the MTP head: {e}", file=folder.path) from e
+    del weights
+    mx.eval(head.parameters())
+    folder.read_bytes += sum(head_tensors.tensors[k].nbytes for k in wanted)
+    head.eval()
+    return head
+
+
+def _default_exact() -> bool:
+    return mx.default_device() != mx.cpu
+
+
+def encode(path: Path, prompts: Optional[Sequence[str]] = None,
+           max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> List[List[int]]:
+    """The prompts (default ``DEFAULT_PROMPTS``) through the folder's tokenizer, each cut to
+    ``max_prompt_tokens``."""
+    from .smoke import encode_prompts
+
+    return [ids[:max_prompt_tokens] for ids in encode_prompts(Path(path), list(prompts or DEFAULT_PROMPTS))]
+
+
+def layerwise_acceptance(
+    path: Path,
+    prompts: Optional[Sequence[str]] = None,
+    token_ids: Optional[Sequence[Sequence[int]]] = None,
+    *,
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+    hidden: str = "post-norm",
+    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
+    exact: Optional[bool] = None,
+    vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES,
+    progress: Optional[Callable[[str], None]] = None,
+) -> LayerwiseResult:
+    """Teacher-forced greedy MTP acceptance of ``path``, one layer resident at a time.
+
+    ``token_ids`` (lists of ids) replaces tokenizing ``prompts``; ``exact`` is described in the
+    module docstring (None: stock quantized kernels off the CPU, dequantized Linears on it).
+    """
+    if hidden not in ("post-norm", "pre-norm"):
+        raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
+    t0 = time.perf_counter()
+    mx.reset_peak_memory()
+    progress = progress or (lambda msg: None)
+    exact = _default_exact() if exact is None else exact
+    path = Path(path)
+    folder = _Folder(path)
+    try:
+        head_tensors = locate_mtp(path, folder.headers)
+        tc = folder.config.get("text_config", folder.config)
+        if head_tensors is None or not int(tc.get("mtp_num_hidden_layers", 0) or 0):
+            raise LayoutError(
+                "no MTP head: " + ("no mtp.safetensors and no language_model.mtp.* tensors" if head_tensors is None
+                                   else "config says mtp_num_hidden_layers=0"),
+                file=path,
+                hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
+            )
+        if token_ids is None:
+            token_ids = encode(path, prompts, max_prompt_tokens)
+        token_ids = [list(map(int, ids)) for ids in token_ids if len(ids) >= 2]
+        if not token_ids:
+            raise ValueError("no prompt has two tokens or more")
+        result = LayerwiseResult(str(path), hidden, head_tensors.source, exact, min_acceptance,
+                                 prompt_tokens=[len(t) for t in token_ids])
+
+        progress("embedding rows")
+        emb = _Embedding(folder, token_ids)
+        xs = [emb(ids) for ids in token_ids]
+        nexts = [emb(ids[1:]) for ids in token_ids]
+        mx.eval(xs, nexts)
+        result.stages.append(("embed_tokens rows", emb.nbytes))
+        del emb
+
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+        n_layers = folder.args.num_hidden_layers
+        for i in range(n_layers):
+            progress(f"layer {i + 1}/{n_layers}")
+            layer = _load_layer(folder, i)
+            _finish_layer(layer, exact)
+            result.stages.append((f"layer {i}", _param_bytes(layer)))
+            for p, x in enumerate(xs):
+                # as Qwen3_5TextModel.__call__ with cache=None
+                mask = create_ssm_mask(x, None) if layer.is_linear else create_attention_mask(x, None)
+                xs[p] = layer(x, mask=mask, cache=None)
+                mx.eval(xs[p])
+            del layer
+            gc.collect()
+            mx.clear_cache()
+
+        norm = folder.shell.language_model.model.norm
+        norm.load_weights([("weight", folder.weights.pop("language_model.model.norm.weight"))], strict=True)
+        hs = [norm(x) for x in xs]
+        mx.eval(hs)
+
+        progress("MTP head")
+        head = _load_head(folder, head_tensors)
+        _finish_layer(head, exact)
+        result.stages.append(("mtp head (fc, norms, layer 0)", _param_bytes(head)))
+        feed = hs if hidden == "post-norm" else xs
+        states = []
+        for p in range(len(token_ids)):
+            s = head(feed[p][:, :-1], nexts[p], cache=head.make_cache())
+            mx.eval(s)
+            states.append(s)
+        del head, xs, nexts, feed
+        gc.collect()
+        mx.clear_cache()
+
+        ids, block = _run_lm_head_blocks(folder, [[h, s] for h, s in zip(hs, states)], exact, vocab_block_bytes,
+                                         progress)
+        result.stages.append(("lm_head block", block))
+        for bb, hd in ids:
+            result.backbone_next.append(bb[1:])
+            result.head_next.append(hd)
+            result.per_prompt.append(agreement(bb[1:], hd))
+        result.read_bytes = folder.read_bytes
+        result.seconds = time.perf_counter() - t0
+        result.peak_mlx_bytes = mx.get_peak_memory()
+        result.peak_rss_bytes = peak_rss_bytes()
+        return result
+    finally:
+        folder.close()
+        mx.clear_cache()
+
+
+def peak_rss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# the same teacher-forced computation on a fully loaded model (reference for the tests, and a
+# cheaper check than decoding when the model fits)
+
+
+def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "post-norm",
+                        min_acceptance: float = DEFAULT_MIN_ACCEPTANCE) -> LayerwiseResult:
+    """``m``: a ``runtime.load.MTPModel``. Uses the stock forward of mlx-lm's text model."""
+    result = LayerwiseResult("", hidden, "loaded", True, min_acceptance)
+    inner = m.lm.model
+    for ids in token_ids:
+        if len(ids) < 2:
+            continue
+        tokens = mx.array([list(ids)])
+        x = inner.embed_tokens(tokens)
+        for layer in inner.layers:  # Qwen3_5TextModel.__call__ without the final norm
+            from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+            mask = create_ssm_mask(x, None) if layer.is_linear else create_attention_mask(x, None)
+            x = layer(x, mask=mask, cache=None)
+        h = inner.norm(x)
+        feed = h if hidden == "post-norm" else x
+        s = m.head(feed[:, :-1], m.embed(tokens[:, 1:]), cache=m.head.make_cache())
+        bb = mx.argmax(m.logits(h), axis=-1).reshape(-1).tolist()[1:]
+        hd = mx.argmax(m.logits(s), axis=-1).reshape(-1).tolist()
+        result.prompt_tokens.append(len(ids))
+        result.backbone_next.append(bb)
+        result.head_next.append(hd)
+        result.per_prompt.append(agreement(bb, hd))
+    return result
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Layer-by-layer teacher-forced MTP acceptance of a converted folder.")
+    ap.add_argument("path", type=Path)
+    ap.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
+    ap.add_argument("--min-acceptance", type=float, default=DEFAULT_MIN_ACCEPTANCE)
+    ap.add_argument("--mtp-hidden", choices=["post-norm", "pre-norm"], default="post-norm")
+    ap.add_argument("--exact", action="store_true", default=None,
+                    help="stock quantized kernels everywhere (bit-identical to the loaded model; slow on the CPU)")
+    ap.add_argument("--vocab-block-mb", type=float, default=DEFAULT_VOCAB_BLOCK_BYTES / 2**20)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}",
+                                                                   file=sys.stderr, flush=True))
+    r = layerwise_acceptance(args.path, args.prompt, max_prompt_tokens=args.max_prompt_tokens,
+                             hidden=args.mtp_hidden, min_acceptance=args.min_acceptance, exact=args.exact,
+                             vocab_block_bytes=int(args.vocab_block_mb * 2**20), progress=say)
+    print(json.dumps(r.to_json()))
+    return 0 if r.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
