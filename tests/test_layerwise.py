@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 
 from mtpconvert.demo import fixture_prompts

@@ -45,7 +45,6 @@ from __future__ import annotations
 import gc
 import glob
 import json
-import math
 import os
 import resource
 import sys
@@ -59,7 +58,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import LayoutError
-from ..safetensors_io import DTYPES, Header, TensorInfo, TensorReader, read_header
+from ..io.header import Header, TensorInfo, read_header
+from ..io.reader import TensorReader
 from .mtp import MTPHead
 from .smoke import DEFAULT_MIN_ACCEPTANCE
 
