@@ -7,7 +7,7 @@ comma := ,
 EXTRAS := $(if $(filter Linux,$(UNAME)),cpu$(comma)test,test)
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean interop
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests
+
+# Runs the converted fixtures in stock mlx-lm 0.31/0.32, mlx-vlm, mtplx, rapid-mlx, vllm-mlx (and the
+# mlx-lm PR #990 branch when available); venvs cached outside the repo (see interop/README.md).
+interop: install
+	$(PY) interop/run.py --python $(PY) $(INTEROP_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

@@ -103,8 +103,15 @@ def read_folder(path: Path) -> Folder:
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     headers = {}
-    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("mtp/*.safetensors")):
-        headers[f.relative_to(path).as_posix()] = read_header(f)
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("mtp/*.safetensors"))
+    extra = config.get("mlx_lm_extra_tensors")
+    named = extra.get("mtp_file") if isinstance(extra, dict) else None
+    if isinstance(named, str) and named:
+        f = (path / named).resolve()
+        if f.is_file() and path.resolve() in f.parents and f not in [x.resolve() for x in files]:
+            files.append(f)
+    for f in files:
+        headers[f.resolve().relative_to(path.resolve()).as_posix()] = read_header(f)
     index = None
     if (path / "model.safetensors.index.json").is_file():
         index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -414,6 +421,26 @@ def _mlx_vlm(folder: Folder) -> RuntimeCompat:
         + "; drafts from the post-norm hidden state")), True)
 
 
+def _pr990_head_problem(folder: Folder, files: List[str], tc: dict) -> Optional[str]:
+    head = _head(folder, files, ("language_model.mtp.", "mtp."))
+    if head is None:
+        hits = _keys_with(folder, files, lambda k: "mtp." in k)
+        return f"mtp keys under a prefix the branch does not map (e.g. {hits[0][1]})"
+    if int(tc.get("num_experts", 0) or 0) > 0:
+        layout = _moe_expert_layout(head)
+        if layout == "stacked":
+            return ("stacked switch_mlp MTP experts: the branch's sanitize stacks experts.{e}.{proj}.weight "
+                    "itself and raises KeyError on a stacked head")
+        if layout == "per-expert" and any(_EXPERT_RE.match(k) and not k.endswith(".weight") for k in head.tensors):
+            return "quantized per-expert MTP experts: the branch stacks only .weight (scales/biases are left over)"
+    q = _quant(folder.config)
+    if head.quantized:
+        bad = _quant_mismatches(head, tc, lambda m: _entry_bits(q.get("language_model.mtp." + m), q))
+        if bad:
+            return bad[0] + " (the branch reads per-path entries named language_model.mtp.<module>)"
+    return None
+
+
 def _pr990(folder: Folder) -> RuntimeCompat:
     tc = _text(folder.config)
     files = _glob_model(folder)
@@ -425,33 +452,20 @@ def _pr990(folder: Folder) -> RuntimeCompat:
         v = Verdict(False, "no model*.safetensors file")
         return RuntimeCompat(name, ver, v, v, True)
     if n > 0 and not hits:
-        v = Verdict(False, "refuses to load (ValueError): mtp_num_hidden_layers > 0 but no mtp key in "
-                           "model*.safetensors -- the branch reads the head only from the model shards")
+        v = Verdict(False, "refuses to load: mtp_num_hidden_layers > 0 but no mtp key in model*.safetensors "
+                           "(ValueError; KeyError for MoE, whose expert stacking runs first) -- the branch reads "
+                           "the head only from the model shards")
         return RuntimeCompat(name, ver, v, v, True)
     bb = Verdict(True, "norm shift decided by conv1d only; the head is loaded with the model")
     if n == 0:
         return RuntimeCompat(name, ver, bb, Verdict(False, "mtp_num_hidden_layers is 0: no head is built "
                                                            "(mtp.* keys dropped)"), True)
+    # The head is part of the model: whatever stops it from loading stops the whole model.
+    problem = _pr990_head_problem(folder, files, tc)
+    if problem:
+        v = Verdict(False, "the model does not load: " + problem)
+        return RuntimeCompat(name, ver, v, v, True)
     head = _head(folder, files, ("language_model.mtp.", "mtp."))
-    if head is None:
-        return RuntimeCompat(name, ver, bb, Verdict(False, "mtp keys under a prefix the branch does not map "
-                                                           f"(e.g. {hits[0][1]})"), True)
-    if int(tc.get("num_experts", 0) or 0) > 0:
-        layout = _moe_expert_layout(head)
-        if layout == "stacked":
-            return RuntimeCompat(name, ver, bb, Verdict(False, (
-                "stacked switch_mlp MTP experts: the branch's sanitize stacks experts.{e}.{proj}.weight itself "
-                "and raises KeyError on a stacked head")), True)
-        if layout == "per-expert" and any(_EXPERT_RE.match(k) and not k.endswith(".weight") for k in head.tensors):
-            return RuntimeCompat(name, ver, bb, Verdict(False, (
-                "quantized per-expert MTP experts: the branch stacks only .weight (scales/biases are left over)")),
-                True)
-    q = _quant(folder.config)
-    if head.quantized:
-        bad = _quant_mismatches(head, tc, lambda m: _entry_bits(q.get("language_model.mtp." + m), q))
-        if bad:
-            return RuntimeCompat(name, ver, bb, Verdict(False, bad[0] + " (the branch reads per-path entries named "
-                                                                      "language_model.mtp.<module>)"), True)
     return RuntimeCompat(name, ver, bb, Verdict(True, (
         f"{len(head.tensors)} head tensors in {_files_str(head.files)} (in-model)"
         + (f"; {len(head.quantized)} quantized modules" if head.quantized else "")
