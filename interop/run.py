@@ -246,8 +246,8 @@ def lp_diff(a: Optional[list], b: Optional[list]) -> Optional[float]:
 
 def check(name: str, rt: dict, res: dict, base: Optional[dict], a) -> dict:
     """The checks of one (folder, runtime) result. Values: True / False / None (not applicable)."""
-    c: Dict[str, Optional[bool]] = {"backbone_exact": None, "head_found": None, "acceptance": None,
-                                    "mtp_equals_plain": None}
+    c: Dict[str, Optional[bool]] = {"backbone_exact": None, "head_found": None, "head_norms_as_written": None,
+                                    "acceptance": None, "mtp_equals_plain": None}
     bt = res.get("backbone_tokens")
     if bt is not None and base and base.get("backbone_tokens") is not None:
         same = len(bt) >= 2 and bt == base["backbone_tokens"]
@@ -257,6 +257,9 @@ def check(name: str, rt: dict, res: dict, base: Optional[dict], a) -> dict:
         c["backbone_exact"] = False
     if rt["mtp"]:
         c["head_found"] = bool(res.get("head_found"))
+        hn = res.get("head_norm_mean") or {}
+        if hn.get("file") is not None and hn.get("loaded") is not None:
+            c["head_norms_as_written"] = abs(hn["file"] - hn["loaded"]) < 0.5
         p, acc = res.get("proposed"), res.get("accepted")
         c["acceptance"] = bool(p and acc is not None and acc / p > a.min_acceptance)
         mt = res.get("mtp_tokens")
@@ -278,7 +281,8 @@ def agreement(rt: dict, c: dict, pred: Optional[dict]) -> Optional[bool]:
     if c["backbone_exact"] is not None and c["backbone_exact"] != bb_ok:
         return False
     if rt["mtp"]:
-        head_ok = bool(c["head_found"] and c["acceptance"] and c["mtp_equals_plain"])
+        head_ok = bool(c["head_found"] and c["acceptance"] and c["mtp_equals_plain"]
+                       and c["head_norms_as_written"] is not False)
         if head_ok != p["head_usable"]["ok"]:
             return False
     return True
@@ -295,9 +299,9 @@ def markdown(rows: List[dict], meta: dict) -> str:
     out = [f"# Interop results ({meta['when']})", "",
            f"Prompts: {meta['prompts']} x {meta['max_tokens']} tokens, greedy. Baseline: {BASELINE}. "
            f"Layout option: {meta['layout']}.", "",
-           "| folder | runtime | version | backbone exact (max logprob diff) | head found | accepted/proposed | MTP == plain | "
-           "status | compat predicts (backbone / head) | agrees | error |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| folder | runtime | version | backbone exact (max logprob diff) | head found | head norms as written | "
+           "accepted/proposed | MTP == plain | status | compat predicts (backbone / head) | agrees | error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         c, res = r["checks"], r["result"]
         acc = (f"{res['accepted']}/{res['proposed']}" if res.get("proposed") else "-") if r["mtp"] else "-"
@@ -308,7 +312,7 @@ def markdown(rows: List[dict], meta: dict) -> str:
         bbtxt = _mark(c["backbone_exact"]) + ("" if d is None else f" ({d:.3g})")
         err = " ".join((res.get("error") or "").replace("|", "/").split())[:160]
         out.append(f"| {r['folder']} | {r['runtime']} | {res.get('version') or '-'} | {bbtxt} | "
-                   f"{_mark(c['head_found'])} | {acc} | {_mark(c['mtp_equals_plain'])} | {r['status']} | {ptxt} | "
+                   f"{_mark(c['head_found'])} | {_mark(c['head_norms_as_written'])} | {acc} | {_mark(c['mtp_equals_plain'])} | {r['status']} | {ptxt} | "
                    f"{_mark(r['agrees'])} | {err} |")
     skipped = meta.get("skipped") or {}
     if skipped:
@@ -381,7 +385,8 @@ def main(argv=None) -> int:
         if f["error"]:
             rows.append({"folder": f["name"], "runtime": "-", "mtp": False, "result": {"error": f["error"]},
                          "checks": {k: None for k in ("backbone_exact", "head_found", "acceptance",
-                                                      "mtp_equals_plain")}, "status": "ERROR", "predicted": None,
+                                                      "mtp_equals_plain", "head_norms_as_written")},
+                         "status": "ERROR", "predicted": None,
                          "agrees": None})
             failed += 1
             continue

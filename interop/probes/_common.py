@@ -7,7 +7,8 @@ A probe is run as ``<venv>/bin/python interop/probes/<runtime>.py --folder DIR -
      "mtp_tokens": [[ids]...] | null, "proposed": int | null, "accepted": int | null,
      "error": str | null}
 
-plus optional "backbone_logprobs" (per prompt, the top-5 log-probabilities of the first plain
+plus optional "head_norm_mean" {"file": x, "loaded": y} (the MTP head's final norm weight mean as
+stored and as the runtime loaded it), optional "backbone_logprobs" (per prompt, the top-5 log-probabilities of the first plain
 greedy step as {token id: logprob}; the driver compares them with the baseline's, because on the
 tiny fixtures a wrong backbone can still decode the same greedy tokens) and optional "detail" (a
 dict of free-form facts). Anything the runtime prints goes to stderr.
@@ -81,6 +82,21 @@ def version_of(dist: str) -> str:
         return version(dist)
     except Exception:  # noqa: BLE001
         return "unknown"
+
+
+def file_head_norm_mean(folder: Path):
+    """Mean of the MTP head's final norm weight as stored in the folder (any root or mtp/
+    safetensors file, key ``[language_model.]mtp.norm.weight``), or None. A probe reports it next to
+    the value the runtime loaded: a head whose norms were shifted again on load reads ~1 higher
+    (on the fixtures a double-shifted head can still draft well, so acceptance does not show it)."""
+    import mlx.core as mx
+
+    for f in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("mtp/*.safetensors")):
+        w = mx.load(str(f))
+        for k in ("mtp.norm.weight", "language_model.mtp.norm.weight"):
+            if k in w:
+                return round(float(w[k].astype(mx.float32).mean()), 4)
+    return None
 
 
 def head_tensor_locations(folder: Path) -> dict:

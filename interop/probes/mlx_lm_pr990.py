@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
+from _common import file_head_norm_mean, head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
 
 
 def body(folder, prompts, max_tokens, result):
@@ -50,6 +50,8 @@ def body(folder, prompts, max_tokens, result):
     result["head_found"] = hasattr(lm, "mtp")
     if not result["head_found"]:
         return
+    result["head_norm_mean"] = {"file": file_head_norm_mean(folder),
+                                "loaded": round(float(lm.mtp.norm.weight.astype(mx.float32).mean()), 4)}
     mtp_out, proposed, accepted = [], 0, 0
     for p in prompts:
         toks, after_draft, first = [], False, True

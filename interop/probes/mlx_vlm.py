@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
+from _common import file_head_norm_mean, head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
 
 DRAFTER = None
 if "--drafter" in sys.argv:
@@ -78,6 +78,8 @@ def body(folder, prompts, max_tokens, result):
     result["detail"]["draft_kind"] = kind
     result["detail"]["drafter_class"] = type(drafter).__name__
     result["detail"]["drafter_quantized"] = quantized_modules(drafter)
+    result["head_norm_mean"] = {"file": file_head_norm_mean(folder) if DRAFTER is None else None,
+                                "loaded": round(float(drafter.norm.weight.astype(mx.float32).mean()), 4)}
     mtp_out, proposed, accepted = [], 0, 0
     for p in prompts:
         ids = mx.array([p], dtype=mx.int32)
