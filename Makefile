@@ -31,5 +31,10 @@ demo: $(VENV)/.installed-demo
 test: $(VENV)/.installed-test
 	$(PY) -m pytest tests --durations=15
 
+# Runs the converted fixtures in stock mlx-lm 0.31/0.32, mlx-vlm, mtplx, rapid-mlx, vllm-mlx (and the
+# mlx-lm PR #990 branch when available); venvs cached outside the repo (see interop/README.md).
+interop: install
+	$(PY) interop/run.py --python $(PY) $(INTEROP_ARGS)
+
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache
