@@ -3,25 +3,38 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)
+CPU := $(if $(filter Linux,$(UNAME)),cpu,)
 comma := ,
-EXTRAS := $(if $(filter Linux,$(UNAME)),cpu$(comma)test,test)
 DEMO_OUT ?= demo-out
 
-.PHONY: install demo test clean
+.PHONY: install demo test interop clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+
+# the demo needs no torch: only the package (and MLX's CPU backend on Linux)
+$(VENV)/.installed-demo: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.$(if $(CPU),[$(CPU)])'
 	touch $@
 
-install: $(VENV)/.installed
+# the tests add pytest and CPU torch (parity against transformers' own Qwen3.5)
+$(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e '.[$(if $(CPU),$(CPU)$(comma))test]'
+	touch $@ $(VENV)/.installed-demo
 
-demo: install
+install: $(VENV)/.installed-test
+
+demo: $(VENV)/.installed-demo
 	$(PY) -m mtpconvert.demo --out $(DEMO_OUT)
 
-test: install
-	$(PY) -m pytest tests
+test: $(VENV)/.installed-test
+	$(PY) -m pytest tests --durations=15
+
+# Runs the converted fixtures in stock mlx-lm 0.31/0.32, mlx-vlm, mtplx, rapid-mlx, vllm-mlx (and the
+# mlx-lm PR #990 branch when available); venvs cached outside the repo (see interop/README.md).
+interop: install
+	$(PY) interop/run.py --python $(PY) $(INTEROP_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

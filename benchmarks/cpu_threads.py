@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import tempfile
 import threading
 import time

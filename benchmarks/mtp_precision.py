@@ -17,13 +17,14 @@ from pathlib import Path
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.execute import execute
 from mtpconvert.fixture import fixture_path
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
 from mtpconvert.runtime.load import load
 from mtpconvert.runtime.sampling import Sampling
 from mtpconvert.runtime.smoke import encode_prompts
 from mtpconvert.runtime.speculative import DecodeStats, mtp_generate
-from mtpconvert.source import open_checkpoint
+from mtpconvert.io.checkpoint import open_checkpoint
 
 POLICIES = [
     ("keep (bf16)", dict(mtp="keep")),

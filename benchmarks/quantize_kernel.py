@@ -25,8 +25,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mtpconvert import npquant
-from mtpconvert.quantpool import QuantizerPool
+from mtpconvert.execute import npquant
+from mtpconvert.execute.quantpool import QuantizerPool
 
 ROWS, COLS = 1536, 5120
 

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--alpha", type=float, action="append", help="acceptance rates to predict at (repeat)")
-    ap.add_argument("--layouts", type=Path, default=synth.LAYOUTS)
+    ap.add_argument("--layouts", type=Path, default=synth.layouts.LAYOUTS)
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     depths = args.depth or [1]
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     result = {"model": args.model, "layers": args.layers, "bits": args.bits}
     if not (raw / "config.json").exists():
         t0 = time.perf_counter()
-        result["synth"] = synth.write(args.model, raw, args.layers, 4.0, sparse=False, layouts=args.layouts)
+        result["synth"] = synth.write(args.model, raw, args.layers, 4.0, sparse=False, root=args.layouts)
         result["synth"]["seconds"] = round(time.perf_counter() - t0, 1)
     if not (out / "config.json").exists():
         cmd = [sys.executable, "-m", "mtpconvert", "convert", str(raw), str(out), "--no-smoke"]

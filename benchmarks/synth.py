@@ -1,6 +1,6 @@
 """Write a synthetic raw Qwen3.5 checkpoint shaped like a published one, without holding it in memory.
 
-Shapes, key names, dtypes and config come from ../shared/layouts/<model>/ (the published tables);
+Shapes, key names, dtypes and config come from tests/data/layouts/<model>/ (the published tables);
 ``--layers N`` keeps the first N decoder layers (plus the MTP head) so large models fit this machine.
 Tensors are written one at a time in chunks (random values, zero-centred norms, ``[C,1,K]`` conv1d),
 into Qwen3.5-style shards ``model.safetensors-000NN-of-000MM.safetensors`` with an index.
@@ -17,30 +17,28 @@ import argparse
 import json
 import re
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
 
-LAYOUTS = Path(__file__).resolve().parents[2] / "shared" / "layouts"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import layouts  # noqa: E402  (the vendored published tables)
+
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
 
 
-def load_table(model: str, layers: int | None, layouts: Path = LAYOUTS):
-    folder = layouts / model
-    cfg_file = folder / "config.json" if (folder / "config.json").exists() else folder / "config.reconstructed.json"
-    config = json.loads(cfg_file.read_text())
+def load_table(model: str, layers: int | None, root: Path = layouts.LAYOUTS):
+    config = layouts.config(model, root)
     rows = []
-    for line in (folder / "tensors.tsv").read_text().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, shape, dtype, _ = line.split("\t")
+    for key, shape, dtype, _shard in layouts.rows(model, root):
         m = LAYER.match(key)
         if key.startswith("model.visual."):
             continue  # the vision tower is not converted by default; leave it out of the benchmark
         if layers is not None and m and int(m.group(1)) >= layers:
             continue
-        rows.append((key, json.loads(shape), dtype))
+        rows.append((key, list(shape), dtype))
     if layers is not None:
         tc = config.get("text_config", config)
         tc["num_hidden_layers"] = layers
@@ -80,8 +78,8 @@ def fill(f, key: str, shape, dtype: str, rng: np.random.Generator, pool: np.ndar
 
 
 def write(model: str, out: Path, layers: int | None, shard_gb: float, sparse: bool, seed: int = 0,
-          layouts: Path = LAYOUTS) -> dict:
-    config, rows = load_table(model, layers, layouts)
+          root: Path = layouts.LAYOUTS) -> dict:
+    config, rows = load_table(model, layers, root)
     out.mkdir(parents=True, exist_ok=True)
     limit = int(shard_gb * (1 << 30))
     shards, cur, size = [], [], 0
@@ -127,9 +125,10 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     ap.add_argument("--shard-gb", type=float, default=4.0)
     ap.add_argument("--sparse", action="store_true", help="headers only (holes for the data)")
-    ap.add_argument("--layouts", type=Path, default=LAYOUTS, help="folder of published layouts (default ../shared/layouts)")
+    ap.add_argument("--layouts", type=Path, default=layouts.LAYOUTS, help="folder of published layouts "
+                    "(default: the copy vendored in tests/data/layouts)")
     args = ap.parse_args(argv)
-    info = write(args.model, args.out, args.layers, args.shard_gb, args.sparse, layouts=args.layouts)
+    info = write(args.model, args.out, args.layers, args.shard_gb, args.sparse, root=args.layouts)
     print(json.dumps(info))
 
 

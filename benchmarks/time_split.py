@@ -26,13 +26,15 @@ from pathlib import Path
 import mlx.core as mx
 from convert_bench import prepare_cache
 
-from mtpconvert.blocks import item_blocks, read_block
-from mtpconvert.execute import compute_streams, execute
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.safetensors_io import TensorReader
-from mtpconvert.source import open_checkpoint
-from mtpconvert.transforms import apply_steps
+from mtpconvert.execute.blocks import item_blocks, read_block
+from mtpconvert.execute import execute
+from mtpconvert.execute.pipeline import compute_streams
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.reader import TensorReader
+from mtpconvert.io.checkpoint import open_checkpoint
+from mtpconvert.execute.ops import apply_steps
 
 
 def warm(src: Path) -> None:

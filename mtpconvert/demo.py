@@ -18,13 +18,13 @@ from rich.table import Table
 from .execute import execute
 from .fixture import fixture_path
 from .fixture.language import MarkovLanguage
-from .plan import ConvertOptions, build_plan
-from .quant import QuantOptions
-from .render import plan_summary, report_table
+from .options import ConvertOptions, QuantOptions
+from .plan import build_plan
+from .cli.render import plan_summary, report_table
 from .runtime.bench import bench
 from .runtime.load import load
 from .runtime.smoke import smoke
-from .source import open_checkpoint
+from .io.checkpoint import open_checkpoint
 from .verify import verify
 
 

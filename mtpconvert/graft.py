@@ -15,53 +15,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 from .errors import LayoutError
-from .blocks import produce
-from .plan import ConvertOptions, build_plan
-from .quant import QuantOptions
-from .safetensors_io import MAX_HEADER_BYTES, StreamingShardWriter, TensorReader, read_header
-from .source import INDEX_NAME, open_checkpoint
-from .writer import OutputFolder
+from .execute.blocks import produce
+from .hub.sparse import fetch_sparse
+from .io.checkpoint import INDEX_NAME, open_checkpoint
+from .io.output_folder import OutputFolder
+from .io.reader import TensorReader
+from .io.shard_writer import StreamingShardWriter
+from .options import ConvertOptions, QuantOptions
+from .plan import build_plan
 
 MTP_SHARD = "model-mtp.safetensors"
 MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def fetch_sparse(repo_id: str, sha: str, shards: Dict[str, int], dest: Path, want: Callable[[str], bool],
-                 token: Optional[str] = None) -> int:
-    """Mirror ``shards`` (name -> size) into ``dest`` with only headers and wanted tensors filled in."""
-    from huggingface_hub import HfFileSystem
-
-    from .hub import _hub_error, endpoint
-
-    fs = HfFileSystem(endpoint=endpoint(), token=token)
-    fetched = 0
-    for name, size in shards.items():
-        local = dest / name
-        try:
-            with fs.open(f"{repo_id}/{name}", "rb", revision=sha, block_size=1, cache_type="none") as src, \
-                    open(local, "wb") as out:
-                out.truncate(size)
-                prefix = src.read(8)
-                n = int.from_bytes(prefix, "little")
-                if len(prefix) < 8 or n > MAX_HEADER_BYTES or 8 + n > size:
-                    raise LayoutError(f"bad safetensors header length {n}", file=name)
-                out.write(prefix + src.read(n))
-                out.flush()
-                fetched += 8 + n
-                for key, info in sorted(read_header(local).tensors.items(), key=lambda kv: kv[1].start):
-                    if want(key) and info.end > info.start:
-                        src.seek(info.start)
-                        out.seek(info.start)
-                        out.write(src.read(info.end - info.start))
-                        fetched += info.end - info.start
-        except LayoutError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise _hub_error(e, repo_id, name) from e
-    return fetched
 
 
 def _existing_dtype(ckpt) -> str:
@@ -140,7 +107,7 @@ def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = N
     """Fetch headers + MTP byte ranges of ``repo_id`` into a sparse mirror, then graft."""
     from huggingface_hub import hf_hub_download
 
-    from . import hub
+    from .hub import pull as hub
 
     pull = hub.plan_pull(repo_id, revision, token=token)
     sizes = {f.name: f.size for f in pull.files}

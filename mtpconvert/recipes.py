@@ -17,11 +17,10 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from .errors import OptionsError
-from .quant import QuantOptions
+from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 
 REPO = re.compile(r"^Qwen/Qwen3\.[56]-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision"}
-DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,10 @@ class Recipe:
     @property
     def quant(self) -> QuantOptions:
         return QuantOptions(self.bits, self.group_size, self.q_mode, self.mtp, self.mtp_bits)
+
+    @property
+    def options(self) -> ConvertOptions:
+        return ConvertOptions(dtype=self.dtype, quant=self.quant, keep_vision=self.keep_vision)
 
     def cli_args(self) -> List[str]:
         """The equivalent `mtpconvert pull-and-quantize` arguments."""
@@ -75,8 +78,8 @@ def load_recipe(path: Path) -> Recipe:
         raise OptionsError("mtp must be keep, match or drop", file=path, key="mtp")
     if "upload_repo" in data and data["upload_repo"].count("/") != 1:
         raise OptionsError("upload_repo must be owner/name", file=path, key="upload_repo")
-    if data.get("dtype") not in (None,) + DTYPES:
-        raise OptionsError(f"dtype must be one of {DTYPES}", file=path, key="dtype")
+    if data.get("dtype") not in (None,) + FLOAT_DTYPES:
+        raise OptionsError(f"dtype must be one of {FLOAT_DTYPES}", file=path, key="dtype")
     recipe = Recipe(path=path, **data)
     try:
         recipe.quant.validated()

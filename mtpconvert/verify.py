@@ -16,14 +16,14 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from .config import ModelSpec, model_spec, text_config
 from .errors import ConvertError, LayoutError
-from .naming import MLX, QUANT_AUX, canonical, key_style, source_name
+from .io.checkpoint import Checkpoint, open_checkpoint
+from .io.header import mlx_dtype_name
+from .io.reader import TensorReader
+from .model.keys import MLX, QUANT_AUX, Gather, contributions, key_style, source_name
+from .model.slots import CONV, FC, LM, MTP, QUANTIZABLE, SWITCH, Slot, expected_slots, is_zero_centred_norm
+from .model.spec import ModelSpec, model_spec, text_config
 from .plan import count_mtp_layers, detect_raw, detect_style
-from .rawexport import is_shifted_norm
-from .safetensors_io import TensorReader, mlx_dtype_name
-from .schema import CONV, FC, LM, MTP, QUANTIZABLE, SWITCH, Slot, expected_slots
-from .source import Checkpoint, open_checkpoint
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 # Classification of a norm vector by its mean: raw zero-centred weights sit near 0,
@@ -107,8 +107,6 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 def _check_finite(ckpt: Checkpoint, report: Report) -> None:
     """Read each float tensor once (one shard mapped at a time) and name any holding NaN or Inf."""
-    from .safetensors_io import TensorReader
-
     reader = TensorReader()
     try:
         by_file: Dict[Path, List[str]] = defaultdict(list)
@@ -135,22 +133,16 @@ def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report)
             aux[key[: m.start()]][m.group(1)] = key
             continue
         try:
-            mapped = canonical(key)
+            mapped = contributions(key)
         except LayoutError as e:
             report.add("tensor-unexpected", ERROR, e.detail, key, ckpt.tensors[key].file)
             continue
-        if mapped.target is None:
-            continue
-        targets[mapped.target].append(mapped)
-        if mapped.target.endswith(("switch_mlp.gate_proj.weight", "switch_mlp.up_proj.weight",
-                                   "switch_mlp.down_proj.weight")):
-            style = {"expert": "per-expert", "gate_up": "fused"}.get(mapped.part, "stacked")
-            if mapped.part == "whole" and ".experts." in key:
-                style = "fused"
-            group = MTP if mapped.target.startswith(LM + "mtp.") else "backbone"
+        for m in mapped:
+            if m.target is not None:
+                targets[m.target].append(m)
+        if (style := mapped[0].expert_layout) is not None:
+            group = MTP if mapped[0].target.startswith(LM + "mtp.") else "backbone"
             expert_styles[(group, style)] += 1
-            if mapped.part == "gate_up":
-                targets[mapped.target.replace(".gate_proj.", ".up_proj.")].append(mapped)
     if expert_styles:
         styles = sorted({s for _, s in expert_styles})
         report.experts = styles[0] if len(styles) == 1 else "mixed"
@@ -207,7 +199,7 @@ def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report)
 
 
 def _check_experts(ckpt, slot: Slot, contribs, spec: ModelSpec, report: Report) -> None:
-    per_expert = [c for c in contribs if c.part == "expert"]
+    per_expert = [c for c in contribs if c.part is Gather.STACK]
     if per_expert:
         if key_style(contribs[0].source) == MLX:
             code = "mtp-moe-unstacked" if slot.group == MTP else "moe-unstacked"
@@ -224,7 +216,8 @@ def _check_experts(ckpt, slot: Slot, contribs, spec: ModelSpec, report: Report) 
         return
     c = contribs[0]
     info = ckpt.tensors[c.source]
-    want = slot.shape if c.part != "gate_up" else (slot.shape[0], 2 * slot.shape[1], slot.shape[2])
+    fused = c.part in (Gather.GATE_HALF, Gather.UP_HALF)
+    want = (slot.shape[0], 2 * slot.shape[1], slot.shape[2]) if fused else slot.shape
     got = info.shape
     if info.dtype == "U32":  # quantized stack: compare all but the packed axis
         if got[:-1] != want[:-1]:
@@ -320,10 +313,10 @@ def _norm_keys(ckpt: Checkpoint) -> Dict[str, List[str]]:
         if QUANT_AUX.search(key):
             continue
         try:
-            mapped = canonical(key)
+            (mapped, *_) = contributions(key)
         except LayoutError:
             continue
-        if mapped.target and is_shifted_norm(mapped.target):
+        if mapped.target and is_zero_centred_norm(mapped.target):
             groups[MTP if mapped.target.startswith(LM + "mtp.") else "backbone"].append(key)
     return groups
 

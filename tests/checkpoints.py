@@ -10,16 +10,16 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 import numpy as np
 import torch
 
-from mtpconvert.config import model_spec
+from mtpconvert.model.spec import model_spec
 from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
-from mtpconvert.rawexport import to_raw
-from mtpconvert.schema import NORM, mtp_slots
+from rawexport import to_raw
+from mtpconvert.model.slots import NORM, mtp_slots
 
 VOCAB = 512
 
@@ -49,6 +49,38 @@ class Built:
     path: Path
     model: torch.nn.Module
     raw: Dict[str, np.ndarray]  # every raw tensor written, by key (float32 copies)
+
+
+def convert_folder(src: Path, out: Path, *, edit: Optional[Callable[[object], None]] = None,
+                   dtype: Optional[str] = None, keep_vision: bool = False, **quant):
+    """Convert ``src`` into ``out`` with these options (``quant``: QuantOptions fields); return the plan.
+
+    ``edit(plan)`` runs before execution: how a test makes a deliberately broken conversion
+    (a step removed, experts reordered) that the checks must catch.
+    """
+    from mtpconvert.execute import execute
+    from mtpconvert.io.checkpoint import open_checkpoint
+    from mtpconvert.options import ConvertOptions, QuantOptions
+    from mtpconvert.plan import build_plan
+
+    ckpt = open_checkpoint(Path(src))
+    plan = build_plan(ckpt, ConvertOptions(dtype=dtype, quant=QuantOptions(**quant), keep_vision=keep_vision))
+    if edit is not None:
+        edit(plan)
+    execute(plan, ckpt, Path(out))
+    return plan
+
+
+def without_shift(group_prefix: str = ""):
+    """An ``edit`` that drops the +1 norm shift from every item whose name starts with ``group_prefix``."""
+    from mtpconvert.plan.steps import ShiftNorm
+
+    def edit(plan) -> None:
+        for it in plan.items:
+            if it.name.startswith(group_prefix):
+                it.steps = tuple(s for s in it.steps if not isinstance(s, ShiftNorm))
+
+    return edit
 
 
 def tree_digest(folder: Path) -> Dict[str, str]:

@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 from checkpoints import tree_digest
 
-from mtpconvert.blocks import _source_runs, item_blocks, quantized_in_numpy, rows
+from mtpconvert.execute.blocks import _source_runs, item_blocks, quantized_in_numpy, rows
 from mtpconvert.execute import execute
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.safetensors_io import StreamingShardWriter, TensorReader, TensorSpec, read_all, read_header
-from mtpconvert.source import open_checkpoint
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.header import read_header
+from mtpconvert.io.reader import TensorReader, read_all
+from mtpconvert.io.shard_writer import StreamingShardWriter, TensorSpec
+from mtpconvert.io.checkpoint import open_checkpoint
 
 
 CASES = {
@@ -68,7 +71,7 @@ def test_no_read_exceeds_a_block(raw_checkpoints, tmp_path, monkeypatch):
 
 
 def test_read_rows_and_halves_match_numpy(tmp_path):
-    from mtpconvert.safetensors_io import write_all
+    from mtpconvert.io.shard_writer import write_all
 
     w = mx.random.normal((5, 6, 4)).astype(mx.bfloat16)
     write_all(tmp_path / "x.safetensors", {"w": w})

@@ -2,9 +2,11 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app
+from mtpconvert.fixture import fixture_path
 
 runner = CliRunner()
 
@@ -89,3 +91,62 @@ def test_convert_fixture_passes_smoke_then_bench_json(tmp_path):
     assert r["plain"]["decode_tok_per_s"] > 0 and r["speedup"] > 0 and r["costs"]["beta"] > 0
     result = runner.invoke(app, ["bench", str(out), "--depth", "0"])
     assert result.exit_code == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--q-mode", "nvfp4"], "--q-mode nvfp4 needs --bits"),
+    (["--q-mode", "mxfp8"], "--q-mode mxfp8 needs --bits"),
+    (["--keep-vision"], "--keep-vision"),
+    (["--max-shard-size", "0"], "--max-shard-size"),
+    (["--max-shard-size", "-1"], "--max-shard-size"),
+])
+def test_options_that_would_do_nothing_are_refused(tmp_path, args, message):
+    out = tmp_path / "o"
+    result = CliRunner().invoke(app, ["convert", str(fixture_path("dense")), str(out), "--no-smoke", *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+    assert not out.exists()
+
+
+def test_json_without_dry_run_is_refused(tmp_path):
+    result = CliRunner().invoke(app, ["convert", str(fixture_path("dense")), str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 2 and "--json needs --dry-run" in result.output and not (tmp_path / "o").exists()
+
+
+def test_smoke_on_a_raw_folder_says_convert_first():
+    result = CliRunner().invoke(app, ["smoke", str(fixture_path("dense"))])
+    assert result.exit_code == 2 and "raw Hugging Face checkpoint: convert it first" in result.output
+
+
+def test_smoke_refuses_an_empty_prompt():
+    result = CliRunner().invoke(app, ["smoke", str(fixture_path("dense")), "-p", ""])
+    assert result.exit_code == 2 and "--prompt must not be empty" in result.output
+
+
+def test_an_unknown_exception_is_a_bug_report_not_a_hub_error(monkeypatch, tmp_path):
+    from mtpconvert import api
+
+    def boom(*a, **k):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(api, "convert", boom)
+    result = CliRunner().invoke(app, ["convert", str(fixture_path("dense")), str(tmp_path / "o")])
+    assert result.exit_code == 1 and "internal error: RuntimeError: kaboom" in result.output
+    assert "Hub" not in result.output and "Traceback" not in result.output
+    monkeypatch.setenv("MTPCONVERT_DEBUG", "1")
+    result = CliRunner().invoke(app, ["convert", str(fixture_path("dense")), str(tmp_path / "o")])
+    assert "Traceback" in result.output
+
+
+def test_add_mtp_on_a_stock_mlx_lm_folder_from_a_local_source(tmp_path):
+    """The folder add-mtp exists for: made by mlx_lm.convert (no mtpconvert metadata), head from a local raw folder."""
+    from mlx_lm import convert as mlx_lm_convert
+
+    from mtpconvert.verify import verify
+
+    folder = tmp_path / "mlx-lm-4bit"
+    mlx_lm_convert(str(fixture_path("dense")), mlx_path=str(folder), quantize=True, q_bits=4, q_group_size=32)
+    assert not verify(folder).mtp_complete
+    result = CliRunner().invoke(app, ["add-mtp", str(fixture_path("dense")), str(folder)])
+    assert result.exit_code == 0, result.output
+    assert "pass" in result.output and "added" in result.output
+    assert verify(folder).ok and verify(folder).mtp_complete

@@ -15,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from mtpconvert.errors import ConvertError, SafetensorsError
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.safetensors_io import MAX_HEADER_BYTES, read_header, write_all
-from mtpconvert.source import open_checkpoint
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.header import MAX_HEADER_BYTES, read_header
+from mtpconvert.io.shard_writer import write_all
+from mtpconvert.io.checkpoint import open_checkpoint
 
 EXAMPLES = int(os.environ.get("MTPCONVERT_FUZZ_EXAMPLES", "300"))
 fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))

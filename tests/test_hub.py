@@ -151,11 +151,24 @@ def test_recipe_run_against_the_hub(hub, tmp_path):
     assert "model.safetensors" in result.output
 
 
+def test_recipe_run_exit_code_follows_the_conversion(hub, tmp_path):
+    """A recipe whose conversion fails exits non-zero (the publish job must go red); one that works exits 0."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('repo = "Qwen/Qwen3.5-27B"\nbits = 4\ngroup_size = 32\nupload_repo = "me/out"\n')
+    failed = runner.invoke(app, ["recipe", "run", str(recipe), "--out", str(tmp_path / "o"), "--no-upload"])
+    assert failed.exit_code == 2 and "not found" in failed.output, failed.output  # no such repo on this hub
+    hub.add_folder("Qwen/Qwen3.5-27B", fixture_path("dense"))
+    ok = runner.invoke(app, ["recipe", "run", str(recipe), "--out", str(tmp_path / "o"), "--no-upload"])
+    assert ok.exit_code == 0, ok.output
+    assert (tmp_path / "o" / "config.json").exists() and "me/out" not in hub.repos
+
+
 def test_add_mtp_grafts_the_head_reading_only_its_byte_ranges(hub, tmp_path):
     from mtpconvert.execute import execute
-    from mtpconvert.plan import ConvertOptions, build_plan
-    from mtpconvert.quant import QuantOptions
-    from mtpconvert.source import open_checkpoint
+    from mtpconvert.options import ConvertOptions
+    from mtpconvert.plan import build_plan
+    from mtpconvert.options import QuantOptions
+    from mtpconvert.io.checkpoint import open_checkpoint
     from mtpconvert.verify import verify
 
     # what users have today: a 4-bit folder without MTP (like mlx_lm.convert makes)
@@ -205,7 +218,8 @@ def test_silent_hub_times_out_with_a_clear_error(tmp_path, monkeypatch):
 def reshard(src, dst, n):
     """Split a checkpoint into ``n`` Qwen3.5-named shards of consecutive keys, as the Hub's releases are
     (MoE expert groups may straddle a boundary)."""
-    from mtpconvert.safetensors_io import read_all, write_all
+    from mtpconvert.io.reader import read_all
+    from mtpconvert.io.shard_writer import write_all
 
     dst.mkdir()
     for p in src.iterdir():
@@ -235,8 +249,8 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch,
     the shards (each is fetched before a worker opens it)."""
     from checkpoints import build
 
-    from mtpconvert import execute as execute_mod
-    from mtpconvert import hub as hub_mod
+    from mtpconvert.execute import pipeline as execute_mod
+    from mtpconvert.hub import pull as hub_mod
 
     if quantizer == "mlx":
         monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
@@ -256,7 +270,7 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch,
         return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
 
     real_fetch, real_release = hub_mod.fetch_file, None
-    from mtpconvert import streaming
+    from mtpconvert.hub import stream as streaming
 
     real_release = streaming.ShardStream.release
 
@@ -290,7 +304,7 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch,
 def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkeypatch):
     """A shard that cannot be fetched mid-conversion (here: gone from the repository after the plan
     was made) fails the run with its name; no OUT, no partial folder, no staged shards are left."""
-    from mtpconvert import hub as hub_mod
+    from mtpconvert.hub import pull as hub_mod
 
     repo = hub.repos["Qwen/Tiny-MoE"]
     victim = sorted(n for n in repo.files if n.endswith(".safetensors"))[-1]

@@ -1,38 +1,36 @@
 """Plans for every published Qwen3.5/3.6 layout, built from the real tensor tables (no data)."""
 
-import json
 import re
 from pathlib import Path
+
+import layouts
 
 import pytest
 
 from mtpconvert.errors import ConfigError
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.safetensors_io import TensorInfo
-from mtpconvert.source import Checkpoint
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.header import TensorInfo
+from mtpconvert.io.checkpoint import Checkpoint
 
-LAYOUTS = Path(__file__).resolve().parents[2] / "shared" / "layouts"
-MODELS = sorted(p.name for p in LAYOUTS.glob("*") if (p / "tensors.tsv").exists()) if LAYOUTS.exists() else []
+MODELS = layouts.models()
 
-pytestmark = pytest.mark.skipif(not MODELS, reason="../shared/layouts not present")
+
+def test_the_vendored_tables_are_all_there():
+    assert len(MODELS) >= 11  # Qwen3.5 0.8B-397B, Qwen3.6 27B/35B, Qwen3-Next: a fresh clone has them all
 
 
 def table_checkpoint(name: str) -> Checkpoint:
-    folder = LAYOUTS / name
-    cfg_file = folder / "config.json" if (folder / "config.json").exists() else folder / "config.reconstructed.json"
-    config = json.loads(cfg_file.read_text())
+    folder = layouts.LAYOUTS / name
     tensors = {}
     shards = []
-    for line in (folder / "tensors.tsv").read_text().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, shape, dtype, shard = line.split("\t")
+    for key, shape, dtype, shard in layouts.rows(name):
         shard = shard if shard.endswith(".safetensors") else "unknown.safetensors"
         if shard not in shards:
             shards.append(shard)
-        tensors[key] = TensorInfo(key, dtype, tuple(json.loads(shape)), Path(folder / shard), 0, 0)
-    return Checkpoint(root=folder, config=config, shards=sorted(shards), headers={}, tensors=tensors)
+        tensors[key] = TensorInfo(key, dtype, shape, Path(folder / shard), 0, 0)
+    return Checkpoint(root=folder, config=layouts.config(name), shards=sorted(shards), headers={}, tensors=tensors)
 
 
 @pytest.mark.parametrize("name", MODELS)

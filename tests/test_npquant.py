@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 from checkpoints import tree_digest
 
-from mtpconvert import npquant, quantpool
-from mtpconvert import execute as execute_mod
-from mtpconvert.blocks import quantized_in_numpy
+from mtpconvert.execute import npquant, quantpool
+from mtpconvert.execute import pipeline as execute_mod
+from mtpconvert.execute.blocks import quantized_in_numpy
 from mtpconvert.execute import execute
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quantpool import QuantizerPool
-from mtpconvert.quant import QuantOptions
-from mtpconvert.safetensors_io import read_all, write_all
-from mtpconvert.source import open_checkpoint
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.execute.quantpool import QuantizerPool
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.reader import read_all
+from mtpconvert.io.shard_writer import write_all
+from mtpconvert.io.checkpoint import open_checkpoint
 
 MX_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
 TARGETS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -260,7 +262,7 @@ def test_result_views_tile_their_slot():
 
 KILLED_PARENT = """
 import time
-from mtpconvert.quantpool import QuantizerPool
+from mtpconvert.execute.quantpool import QuantizerPool
 
 if __name__ == "__main__":
     pool = QuantizerPool(2, 2, 4096)

@@ -8,10 +8,7 @@ from conftest import LAYOUTS
 
 import mlx_lm
 from mlx_lm.utils import load_model
-from mtpconvert.execute import execute
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.source import open_checkpoint
+from checkpoints import convert_folder, without_shift
 from mtpconvert.verify import verify
 
 # float32 end to end: differences are accumulation order only.
@@ -20,10 +17,7 @@ IDS = [5, 17, 300, 42, 8, 99, 123, 7, 256, 31, 64, 11]
 
 
 def convert(src, out, **quant):
-    ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, ConvertOptions(dtype="float32", quant=QuantOptions(**quant)))
-    execute(plan, ckpt, out)
-    return plan
+    return convert_folder(src, out, dtype="float32", **quant)
 
 
 def torch_logits(model, ids):
@@ -68,11 +62,7 @@ def test_8bit_stays_close(layout, raw_checkpoints, tmp_path):
 def test_skipping_the_shift_breaks_parity(raw_checkpoints, tmp_path):
     """The parity test can fail: without +1 on the norms the logits are far off."""
     built = raw_checkpoints("dense-vlm")
-    ckpt = open_checkpoint(built.path)
-    plan = build_plan(ckpt, ConvertOptions(dtype="float32"))
-    for it in plan.items:
-        it.steps = tuple(s for s in it.steps if s != "norm+1")
-    execute(plan, ckpt, tmp_path / "noshift")
+    convert_folder(built.path, tmp_path / "noshift", edit=without_shift(), dtype="float32")
     ref = torch_logits(built.model, IDS)
     got = mlx_logits(tmp_path / "noshift", IDS)
     assert np.abs(got - ref).max() > 100 * FP32_ATOL

@@ -5,10 +5,12 @@ import re
 
 import pytest
 
+from mtpconvert.plan.steps import ConvAxis, ShiftNorm
 from mtpconvert.errors import ConfigError, LayoutError, OptionsError
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.source import open_checkpoint
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.checkpoint import open_checkpoint
 
 
 def plan_for(built, **kw):
@@ -28,16 +30,16 @@ def test_shift_only_on_zero_centred_norms(raw_checkpoints):
     plan = plan_for(raw_checkpoints("moe-published35"))
     assert plan.raw
     for it in plan.items:
-        assert ("norm+1" in it.steps) == bool(SHIFTED.search(it.name)), it.name
+        assert (ShiftNorm() in it.steps) == bool(SHIFTED.search(it.name)), it.name
     items = by_name(plan)
     # the gated norm inside linear attention, A_log and dt_bias are never shifted
     for name in ("linear_attn.norm.weight", "linear_attn.A_log", "linear_attn.dt_bias"):
         it = items[f"language_model.model.layers.0.{name}"]
-        assert "norm+1" not in it.steps
+        assert ShiftNorm() not in it.steps
     assert items["language_model.model.layers.0.linear_attn.A_log"].dtype == "float32"
-    assert "conv_axis" in items["language_model.model.layers.0.linear_attn.conv1d.weight"].steps
+    assert ConvAxis() in items["language_model.model.layers.0.linear_attn.conv1d.weight"].steps
     # every MTP norm (head and layer) is shifted
-    mtp_norms = [n for n, it in items.items() if ".mtp." in n and "norm+1" in it.steps]
+    mtp_norms = [n for n, it in items.items() if ".mtp." in n and ShiftNorm() in it.steps]
     assert len(mtp_norms) == 3 + 4
 
 
@@ -173,9 +175,9 @@ def test_already_converted_folder_is_not_shifted_again(raw_checkpoints, tmp_path
     execute(build_plan(ckpt, ConvertOptions(dtype="float32")), ckpt, tmp_path / "once")
     again = build_plan(open_checkpoint(tmp_path / "once"), ConvertOptions(dtype="float32"))
     assert not again.raw and again.style == "mlx"
-    assert not any("norm+1" in it.steps or "conv_axis" in it.steps for it in again.items)
+    assert not any(ShiftNorm() in it.steps or ConvAxis() in it.steps for it in again.items)
     execute(again, open_checkpoint(tmp_path / "once"), tmp_path / "twice")
-    from mtpconvert.safetensors_io import read_all
+    from mtpconvert.io.reader import read_all
     import mlx.core as mx
 
     a = {}
@@ -201,7 +203,7 @@ def test_option_errors(raw_checkpoints):
 
 
 def test_unsupported_model_type(tmp_path):
-    from mtpconvert.config import model_spec
+    from mtpconvert.model.spec import model_spec
 
     with pytest.raises(ConfigError, match="qwen3_next"):
         model_spec({"model_type": "qwen3_next"})

@@ -13,13 +13,15 @@ import pytest
 from checkpoints import tree_digest
 from typer.testing import CliRunner
 
-from mtpconvert import execute as execute_mod
+from mtpconvert.execute import pipeline as execute_mod  # noqa: F401
+from mtpconvert.execute.resume import RESUME_DIR
 from mtpconvert.cli import app
 from mtpconvert.errors import ConvertError, OutputError
 from mtpconvert.execute import execute
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.source import open_checkpoint
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.checkpoint import open_checkpoint
 from mtpconvert.verify import verify
 
 runner = CliRunner()
@@ -60,7 +62,7 @@ def test_interrupt_leaves_nothing_at_out_and_resume_reuses_checked_shards(raw_ch
     assert not out.exists()
     partial = tmp_path / ".out.partial"
     assert partial.exists() and not (tmp_path / ".out.lock").exists()
-    done = sorted(p.name for p in (partial / execute_mod.RESUME_DIR).iterdir())
+    done = sorted(p.name for p in (partial / RESUME_DIR).iterdir())
     assert done, "some shards finished before the interruption"
 
     # a finished shard that was damaged afterwards is detected by its hash and rewritten
@@ -72,7 +74,7 @@ def test_interrupt_leaves_nothing_at_out_and_resume_reuses_checked_shards(raw_ch
     result = execute(plan, ckpt, out, resume=True)
     assert result.shards_reused == len(done) - 1
     assert tree_digest(out) == tree_digest(fresh)  # byte-identical to an uninterrupted run
-    assert not (out / execute_mod.RESUME_DIR).exists() and not partial.exists()
+    assert not (out / RESUME_DIR).exists() and not partial.exists()
     assert tree_digest(src) == before
 
 
@@ -108,14 +110,13 @@ def test_sigterm_on_a_real_process_leaves_nothing_at_out(raw_checkpoints, tmp_pa
     # a child that converts, but pauses inside the first shard so the signal lands mid-write
     code = f"""
 import sys, time
-from mtpconvert import execute as ex
+from mtpconvert.execute import pipeline as ex
 real = ex.produce_block
 def slow(*a, **k):
     print("writing", flush=True); time.sleep(0.2); return real(*a, **k)
 ex.produce_block = slow
-from mtpconvert.cli import app
-sys.argv = ["mtpconvert", "convert", {str(src)!r}, {str(out)!r}, "--no-smoke"]
-app()
+from mtpconvert.cli import run
+sys.exit(run(["convert", {str(src)!r}, {str(out)!r}, "--no-smoke"]))
 """
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
@@ -131,9 +132,9 @@ app()
 def test_disk_full_gives_clear_error_and_removes_temp(raw_checkpoints, tmp_path, monkeypatch):
     src = copy_of(raw_checkpoints, tmp_path)
     before = tree_digest(src)
-    from mtpconvert import safetensors_io
+    from mtpconvert.io import shard_writer
 
-    real_write, calls = safetensors_io.StreamingShardWriter.write, []
+    real_write, calls = shard_writer.StreamingShardWriter.write, []
 
     def full(self, key, arr, row=0):
         calls.append(key)
@@ -141,7 +142,7 @@ def test_disk_full_gives_clear_error_and_removes_temp(raw_checkpoints, tmp_path,
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(self, key, arr, row)
 
-    monkeypatch.setattr(safetensors_io.StreamingShardWriter, "write", full)
+    monkeypatch.setattr(shard_writer.StreamingShardWriter, "write", full)
     out = tmp_path / "out"
     result = runner.invoke(app, ["convert", str(src), str(out), "--no-smoke"])
     assert result.exit_code != 0 and "disk full" in result.output
@@ -292,7 +293,7 @@ def test_output_error_is_a_convert_error():
 
 def test_header_reader_refuses_huge_lengths_without_allocating(tmp_path):
     from mtpconvert.errors import SafetensorsError
-    from mtpconvert.safetensors_io import read_header
+    from mtpconvert.io.header import read_header
 
     f = tmp_path / "huge.safetensors"
     f.write_bytes(struct.pack("<Q", 1 << 62) + b"{}")

@@ -7,27 +7,20 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from checkpoints import convert_folder, without_shift
 from mtpconvert.demo import fixture_prompts
-from mtpconvert.execute import execute
 from mtpconvert.fixture import fixture_path
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
 from mtpconvert.runtime.load import load
 from mtpconvert.runtime.rollback import enable_rollback, make_rollback_cache, rollback
 from mtpconvert.runtime.sampling import Sampling, accept_drafts
 from mtpconvert.runtime.smoke import encode_prompts
 from mtpconvert.runtime.speculative import backbone_forward, mtp_generate, plain_generate
-from mtpconvert.source import open_checkpoint
 
 
 def _convert(out, mtp_shift=True, **quant):
-    ckpt = open_checkpoint(fixture_path("dense"))
-    plan = build_plan(ckpt, ConvertOptions(dtype="bfloat16", quant=QuantOptions(**quant)))
-    if not mtp_shift:  # a broken head that still runs: many rejections, so rollback is exercised
-        for it in plan.items:
-            if it.name.startswith("language_model.mtp."):
-                it.steps = tuple(s for s in it.steps if s != "norm+1")
-    execute(plan, ckpt, out)
+    # without the head's shift: a broken head that still runs, so rollback is exercised
+    edit = None if mtp_shift else without_shift("language_model.mtp.")
+    convert_folder(fixture_path("dense"), out, edit=edit, dtype="bfloat16", **quant)
     return out
 
 

@@ -7,7 +7,9 @@ import mlx.core as mx
 import pytest
 
 from mtpconvert.errors import SafetensorsError
-from mtpconvert.safetensors_io import MAX_HEADER_BYTES, read_all, read_header, write_all
+from mtpconvert.io.header import MAX_HEADER_BYTES, read_header
+from mtpconvert.io.reader import read_all
+from mtpconvert.io.shard_writer import write_all
 
 
 def raw_file(path, header: dict, data: bytes = b"", header_len=None):

@@ -2,8 +2,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mtpconvert import transforms as T
-from mtpconvert.quant import QuantSpec
+from mtpconvert.execute import ops as T
+from mtpconvert.plan.quant import QuantSpec
 
 
 def test_stack_experts_keeps_order():
@@ -47,5 +47,15 @@ def test_cast_and_quantize_shapes():
 
 
 def test_apply_steps_rejects_unknown():
-    with pytest.raises(ValueError):
-        T.apply_steps(mx.zeros((2,)), ["explode"], None)
+    with pytest.raises(TypeError):
+        T.apply_steps(mx.zeros((2,)), ["norm+1"])  # a label is not a step
+
+
+def test_step_chain_runs_in_order():
+    from mtpconvert.plan.steps import Cast, ConvAxis, Quantize, ShiftNorm
+
+    w = mx.zeros((4, 1, 3))
+    (out,) = T.apply_steps(w, (ConvAxis(), ShiftNorm(), Cast("float16")))
+    assert out.shape == (4, 3, 1) and out.dtype == mx.float16 and float(out.sum()) == 12
+    q = T.apply_steps(mx.ones((8, 64)), (Cast("float32"), Quantize(QuantSpec(4, 64))))
+    assert len(q) == 3 and q[0].dtype == mx.uint32

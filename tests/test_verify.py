@@ -7,10 +7,12 @@ import mlx.core as mx
 import pytest
 
 from mtpconvert.execute import execute
-from mtpconvert.plan import ConvertOptions, build_plan
-from mtpconvert.quant import QuantOptions
-from mtpconvert.safetensors_io import read_all, write_all
-from mtpconvert.source import open_checkpoint
+from mtpconvert.options import ConvertOptions
+from mtpconvert.plan import build_plan
+from mtpconvert.options import QuantOptions
+from mtpconvert.io.reader import read_all
+from mtpconvert.io.shard_writer import write_all
+from mtpconvert.io.checkpoint import open_checkpoint
 from mtpconvert.verify import verify
 
 

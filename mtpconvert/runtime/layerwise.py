@@ -61,7 +61,8 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..errors import LayoutError
-from ..safetensors_io import Header, TensorInfo, TensorReader, read_header
+from ..io.header import Header, TensorInfo, read_header
+from ..io.reader import TensorReader
 from .mtp import MTPHead
 from .smoke import DEFAULT_MIN_ACCEPTANCE
 

@@ -14,6 +14,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config, load_model
 
 from ..errors import LayoutError
@@ -50,10 +51,43 @@ def _mtp_weights(path: Path) -> Dict[str, mx.array]:
     return weights
 
 
+def float32_experts_on_cpu(module: nn.Module) -> int:
+    """Cast float expert stacks to float32 when running on the CPU; return how many were cast.
+
+    MLX's CPU ``gather_mm`` is float32-only, so a bf16/fp16 MoE cannot run there as stored;
+    in float32 it runs (quantized experts use ``gather_qmm`` and are left alone).
+    """
+    if mx.default_device() != mx.cpu:
+        return 0
+    cast = 0
+    for _, m in module.named_modules():
+        if type(m) is SwitchLinear and m.weight.dtype != mx.float32:
+            m.weight = m.weight.astype(mx.float32)
+            cast += 1
+    return cast
+
+
+def _refuse_raw(path: Path) -> None:
+    """A raw Hugging Face folder has an MTP head but no MLX layout yet: say so, not "no MTP head"."""
+    from ..io.checkpoint import open_checkpoint
+    from ..model.keys import RAW_TEXT, RAW_VLM
+    from ..plan import detect_style
+
+    try:
+        ckpt = open_checkpoint(path)
+        style = detect_style(ckpt.tensors)
+    except Exception:  # noqa: BLE001 - loading below names what is wrong with the folder
+        return
+    if style in (RAW_VLM, RAW_TEXT):
+        raise LayoutError("this is a raw Hugging Face checkpoint: convert it first", file=path,
+                          hint=f"mtpconvert convert {path} OUT")
+
+
 def load(path: Path, lazy: bool = False) -> MTPModel:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise LayoutError("not a converted model folder: no config.json", file=path)
+    _refuse_raw(path)
     model, config = load_model(path, lazy=lazy)
     tc = config.get("text_config", config)
     n = int(tc.get("mtp_num_hidden_layers", 0) or 0)
@@ -81,6 +115,8 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise LayoutError(f"MTP weights do not fit the MTP head: {e}", file=path) from e
+    float32_experts_on_cpu(model)
+    float32_experts_on_cpu(head)
     if not lazy:
         mx.eval(head.parameters())
     head.eval()

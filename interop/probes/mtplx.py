@@ -1,0 +1,199 @@
+"""Probe: mtplx 2.12.2 (PyPI), through its own Python API.
+
+    <venv>/bin/python interop/probes/mtplx.py --folder DIR --prompts-json FILE --max-tokens N
+
+prints ONE JSON object on stdout (everything else goes to stderr):
+
+    {"runtime": "mtplx", "version", "backbone_tokens": [[ids]...], "backbone_logprobs",
+     "head_found": bool, "mtp_tokens": [[ids]...] | null, "proposed": int | null,
+     "accepted": int | null, "error": str | null, "detail": {...}}
+
+What it runs: ``mtplx.runtime.load(folder)`` (mlx-lm ``load`` for the backbone, then mtplx's
+MTP injection, which looks for ``config.mlx_lm_extra_tensors.mtp_file``, else ``mtp.safetensors``,
+``mtp/weights.safetensors``, ``model-mtp.safetensors``, else ``mtp.*`` keys inside the model
+shards), then ``mtplx.generation.generate_ar`` (plain greedy) and ``generate_mtp1`` (greedy MTP,
+depth 1) on each prompt. Proposed/accepted are mtplx's own ``drafted_tokens`` /
+``accepted_drafts`` counters. When the load with the head fails, the backbone is still loaded
+with ``mtp=False`` so ``backbone_tokens`` are reported next to the error.
+
+mtplx's CLI and server need macOS; its Python API runs on Linux except for one import:
+``mtplx.route_tape`` opens ``/usr/lib/libSystem.B.dylib`` at import time for a monotonic clock
+(``mach_continuous_time``). On other systems this probe answers that one library with a stand-in
+built on ``time.monotonic_ns`` (recorded as ``detail.clock_stand_in``); nothing that loads
+weights or decodes is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+# The probe file is named like the runtime's package and Python puts the probe's folder first on
+# sys.path, where this file would shadow ``mtplx``: drop that folder before importing anything.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if (str(Path(p).resolve()) if p else str(Path.cwd())) != _HERE]
+
+RUNTIME = "mtplx"
+
+
+def _empty() -> dict:
+    return {"runtime": RUNTIME, "version": None, "backbone_tokens": None, "backbone_logprobs": None,
+            "head_found": False, "mtp_tokens": None, "proposed": None, "accepted": None, "error": None,
+            "detail": {}}
+
+
+def _install_clock_stand_in() -> bool:
+    """Answer ``ctypes.CDLL('/usr/lib/libSystem.B.dylib')`` off macOS with a monotonic clock."""
+    if platform.system() == "Darwin":
+        return False
+    import ctypes
+    import time
+
+    real_cdll = ctypes.CDLL
+
+    class _Fn:
+        def __init__(self, fn):
+            self.fn, self.restype, self.argtypes = fn, None, None
+
+        def __call__(self, *args):
+            return self.fn(*args)
+
+    def _timebase(ref):
+        info = ref._obj
+        info.numer, info.denom = 1, 1
+        return 0
+
+    class _LibSystem:
+        mach_timebase_info = _Fn(_timebase)
+        mach_continuous_time = _Fn(time.monotonic_ns)
+        mach_absolute_time = _Fn(time.monotonic_ns)
+        sysctlbyname = _Fn(lambda *a: -1)
+
+    def cdll(name, *args, **kwargs):
+        if str(name).endswith("libSystem.B.dylib"):
+            return _LibSystem()
+        return real_cdll(name, *args, **kwargs)
+
+    ctypes.CDLL = cdll
+    return True
+
+
+class _LogTap(logging.Handler):
+    """Keeps mtplx's own log lines (which file the head came from, refusals) for the report."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        try:
+            self.lines.append(f"{record.name}: {record.getMessage()}")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _norm_mean(module) -> float:
+    import mlx.core as mx
+
+    return round(float(module.weight.astype(mx.float32).mean()), 4)
+
+
+def _head_detail(text_model) -> dict:
+    """Which precision each linear of the loaded head ended up in."""
+    mtp = getattr(text_model, "mtp", None)
+    if mtp is None:
+        return {}
+    quantized = {}
+    for name, mod in mtp.named_modules():
+        if hasattr(mod, "bits") and hasattr(mod, "group_size"):
+            quantized[name] = f"{mod.bits}b/g{mod.group_size}"
+    return {"head_quantized_modules": quantized, "head_fc": type(mtp.fc).__name__,
+            "head_pre_fc_norm_hidden_mean": _norm_mean(mtp.pre_fc_norm_hidden)}
+
+
+def body(folder: Path, prompts, max_tokens: int, result: dict, tap: _LogTap) -> None:
+    from importlib.metadata import version
+
+    result["version"] = version("mtplx")
+    result["detail"]["mlx_lm"] = version("mlx-lm")
+    result["detail"]["clock_stand_in"] = _install_clock_stand_in()
+
+    from mtplx.generation import generate_ar, generate_mtp1
+    from mtplx.runtime import load
+    from mtplx.sampling import SamplerConfig
+
+    greedy = SamplerConfig(temperature=0.0, top_p=1.0, top_k=0)
+    load_error = None
+    try:
+        rt = load(str(folder))
+    except Exception as e:  # noqa: BLE001 - mtplx's refusal is the finding
+        traceback.print_exc(file=sys.stderr)
+        load_error = f"{type(e).__name__}: {str(e).strip()}"[:600]
+        rt = load(str(folder), mtp=False)
+    lm = getattr(rt.model, "language_model", rt.model)
+    result["detail"]["backbone_final_norm_mean"] = _norm_mean(lm.model.norm)
+    fa = next(layer for layer in lm.model.layers if not layer.is_linear)
+    result["detail"]["backbone_q_norm_mean"] = _norm_mean(fa.self_attn.q_norm)
+    result["head_found"] = bool(rt.mtp_enabled)
+    result["detail"].update(_head_detail(lm))
+
+    tokens, lps = [], []
+    for p in prompts:
+        out = generate_ar(rt, list(p), max_tokens=max_tokens, sampler=greedy, stop_token_ids=set(),
+                          first_token_logprobs_top_k=5)
+        tokens.append([int(t) for t in out.tokens])
+        ftl = out.first_token_logprobs
+        lps.append({str(t): round(v, 5) for t, v in ftl.top} if ftl is not None else None)
+    result["backbone_tokens"] = tokens
+    result["backbone_logprobs"] = lps
+    if load_error is not None:
+        result["error"] = load_error
+        return
+    if not rt.mtp_enabled:
+        result["error"] = "mtplx loaded the model without an MTP head (mtp_enabled=False)"
+        return
+
+    mtp_tokens, proposed, accepted = [], 0, 0
+    for p in prompts:
+        out = generate_mtp1(rt, list(p), max_tokens=max_tokens, sampler=greedy, stop_token_ids=set())
+        mtp_tokens.append([int(t) for t in out.tokens])
+        proposed += int(out.stats.drafted_tokens)
+        accepted += int(out.stats.accepted_drafts)
+    result["mtp_tokens"], result["proposed"], result["accepted"] = mtp_tokens, proposed, accepted
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="interop probe: mtplx")
+    ap.add_argument("--folder", type=Path, required=True)
+    ap.add_argument("--prompts-json", type=Path, required=True)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    a = ap.parse_args(argv)
+    result = _empty()
+    tap = _LogTap()
+    logging.getLogger().addHandler(tap)
+    logging.getLogger().setLevel(logging.INFO)
+    real_stdout = sys.stdout
+    try:
+        prompts = json.loads(a.prompts_json.read_text())
+        if not (isinstance(prompts, list) and all(isinstance(p, list) and p for p in prompts)):
+            raise ValueError("prompts json must be a list of non-empty token-id lists")
+        with contextlib.redirect_stdout(sys.stderr):
+            body(a.folder, prompts, a.max_tokens, result, tap)
+    except Exception as e:  # noqa: BLE001 - a probe reports every failure as data
+        traceback.print_exc(file=sys.stderr)
+        msg = str(e).strip().splitlines()
+        result["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:600]
+    result["detail"]["log"] = [line for line in tap.lines if "MTP" in line or "mtp" in line][:20]
+    real_stdout.write(json.dumps(result) + "\n")
+    real_stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

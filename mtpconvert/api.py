@@ -1,0 +1,279 @@
+"""The Python API: every command of the CLI as a function, with the same checks.
+
+    from mtpconvert import api
+    from mtpconvert.options import ConvertOptions, QuantOptions
+
+    result = api.convert("Qwen3.5-27B", "out", ConvertOptions(quant=QuantOptions(bits=4)))
+    report = api.verify("out")
+    smoke = api.smoke("out")
+
+Progress reaches the caller through ``Events`` callbacks (the CLI draws its bars from
+them); failures raise ``ConvertError`` subclasses whose message names the file, key or
+option. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Union
+
+from .checks import CheckRecord, Checks, run_checks
+from .errors import ConvertError, OptionsError
+from .io.checkpoint import Checkpoint, open_checkpoint
+from .options import ConvertOptions
+from .plan import Plan, PlanItem, build_plan
+
+PathLike = Union[str, Path]
+
+
+def _noop(*_args) -> None:
+    return None
+
+
+@dataclass
+class Events:
+    """Progress callbacks; each defaults to doing nothing."""
+
+    plan: Callable[[Plan], None] = _noop  # the plan about to run
+    item: Callable[[PlanItem], None] = _noop  # an item's bytes are on disk
+    stage: Callable[[str], None] = _noop  # a named stage starts (resolving, verifying, smoke, ...)
+    download: Callable[[int, Optional[int]], None] = _noop  # (bytes just fetched, total bytes or None)
+    note: Callable[[str], None] = _noop  # something the user should know (a check skipped, peak disk, ...)
+
+
+class Interrupted(ConvertError):
+    """Ctrl-C or SIGTERM: nothing was written to OUT; finished shards stay for ``--resume``."""
+
+    exit_code = 130
+    default_code = "interrupted"
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    plan: Plan
+    shards: List[str]
+    tensors: int
+    bytes_written: int
+    shards_reused: int = 0
+    checks: CheckRecord = field(default_factory=CheckRecord)
+    source_repo: Optional[str] = None
+    source_revision: Optional[str] = None
+    peak_stream_bytes: Optional[int] = None
+
+
+def plan(source: PathLike, options: ConvertOptions = ConvertOptions()) -> Plan:
+    """The conversion plan of a local checkpoint folder, from its headers alone (``--dry-run``)."""
+    return build_plan(open_checkpoint(Path(source)), options)
+
+
+def _partial(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial"
+
+
+def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwrite: bool, resume: bool,
+             events: Events, extra_metadata: Optional[dict], stream=None) -> ConversionResult:
+    from .execute import execute
+
+    events.plan(plan_)
+    record = CheckRecord()
+
+    def check(folder: Path) -> None:
+        run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage)
+
+    try:
+        done = execute(plan_, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
+                       progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted: nothing was written to {out}; finished shards are kept in "
+                          f"{_partial(out)} for --resume") from None
+    return ConversionResult(done.out, plan_, done.shards, done.tensors, done.bytes_written, done.shards_reused,
+                            record)
+
+
+def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOptions(), *,
+            checks: Checks = Checks(), overwrite: bool = False, resume: bool = False,
+            events: Optional[Events] = None, extra_metadata: Optional[dict] = None) -> ConversionResult:
+    """Convert a local checkpoint folder into an MLX folder at ``out``, atomically.
+
+    The finished folder is verified and smoke-tested (``checks``) before it is renamed
+    into place; any failure leaves nothing at ``out``.
+    """
+    events = events or Events()
+    ckpt = open_checkpoint(Path(source))
+    return _execute(build_plan(ckpt, options), ckpt, Path(out), checks=checks, overwrite=overwrite, resume=resume,
+                    events=events, extra_metadata=extra_metadata)
+
+
+def default_out(repo_id: str, options: ConvertOptions) -> Path:
+    name = repo_id.split("/")[-1]
+    bits = options.quant.bits
+    return Path(f"{name}-{bits}bit-mtp-mlx" if bits else f"{name}-mtp-mlx")
+
+
+def pull_plan(repo_id: str, options: ConvertOptions = ConvertOptions(), *, revision: Optional[str] = None,
+              token: Optional[str] = None, cache_dir: Optional[PathLike] = None, timeout: float = 30.0):
+    """What ``pull_and_convert`` would download (``--dry-run``): files, sizes, the pinned commit."""
+    from .hub import pull
+
+    options.quant.validated()
+    return pull.plan_pull(repo_id, revision, token=token, keep_vision=options.keep_vision,
+                          keep_mtp=options.quant.mtp != "drop", cache=Path(cache_dir) if cache_dir else None,
+                          timeout=timeout)
+
+
+def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: ConvertOptions = ConvertOptions(), *,
+                     revision: Optional[str] = None, checks: Checks = Checks(), stream: bool = False,
+                     cache_dir: Optional[PathLike] = None, local_dir: Optional[PathLike] = None,
+                     token: Optional[str] = None, timeout: float = 30.0, overwrite: bool = False,
+                     resume: bool = False, upload_repo: Optional[str] = None, private: bool = False,
+                     events: Optional[Events] = None) -> ConversionResult:
+    """Download only what the conversion needs (pinned to one commit), convert, check; optionally upload.
+
+    With ``stream``, each raw shard is fetched when first needed and deleted after its last
+    use, so raw data on disk stays within the two largest shards.
+    """
+    from .hub import pull
+
+    events = events or Events()
+    events.stage(f"resolving {repo_id}")
+    pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
+    out = Path(out) if out is not None else default_out(repo_id, options)
+    meta = {"source_repo": repo_id, "source_revision": pulled.sha}
+    local = Path(local_dir) if local_dir else None
+    if stream:
+        result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
+                                   checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta)
+    else:
+        events.stage(f"downloading {repo_id}")
+        events.download(0, pulled.total_bytes or None)
+        folder = pull.download(pulled, token=token, cache=Path(cache_dir) if cache_dir else None, local_dir=local,
+                               timeout=timeout, on_file=lambda f: events.download(f.size or 0, None))
+        ckpt = open_checkpoint(folder)
+        result = _execute(build_plan(ckpt, options), ckpt, out, checks=checks, overwrite=overwrite, resume=resume,
+                          events=events, extra_metadata=meta)
+    result.source_repo, result.source_revision = repo_id, pulled.sha
+    if upload_repo:
+        upload(out, upload_repo, token=token, private=private, checks=Checks(verify=True, smoke=False),
+               record=result.checks, events=events)
+    return result
+
+
+def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, local_dir: Optional[Path],
+                      timeout: float, checks: Checks, overwrite: bool, resume: bool, events: Events,
+                      meta: dict) -> ConversionResult:
+    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use."""
+    from .hub import pull
+    from .hub.stream import ShardStream, first_use_order
+
+    stage = local_dir or out.absolute().parent / f".{out.name}.stream"
+    try:
+        events.stage(f"reading {pulled.repo_id} shard headers")
+        ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=token, timeout=timeout))
+        plan_ = build_plan(ckpt, options)
+        feed = ShardStream(first_use_order(plan_, ckpt),
+                           lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout))
+        try:
+            result = _execute(plan_, ckpt, out, checks=checks, overwrite=overwrite, resume=resume, events=events,
+                              extra_metadata=meta, stream=feed)
+        finally:
+            feed.close()
+        result.peak_stream_bytes = feed.peak_bytes
+        return result
+    finally:
+        if local_dir is None:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, mtp: str = "keep",
+            mtp_bits: Optional[int] = None, token: Optional[str] = None, checks: Checks = Checks(),
+            events: Optional[Events] = None) -> dict:
+    """Graft the MTP head of ``source`` onto an existing MLX folder.
+
+    ``source`` is the original release: a Hub repo id (only the head's byte ranges are read)
+    or a local raw folder (offline).
+    """
+    from .graft import add_mtp_from_hub, graft
+
+    events = events or Events()
+    if mtp == "drop":
+        raise OptionsError("--mtp drop makes no sense for add-mtp")
+    record = CheckRecord()
+
+    def check(folder: Path) -> None:
+        run_checks(folder, checks, record, has_mtp=True, on_stage=events.stage)
+
+    try:
+        if Path(source).is_dir():
+            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, check=check)
+            info = {"sha": "local", "fetched_bytes": 0, "source_bytes": 0, "added": len(added)}
+        else:
+            info = add_mtp_from_hub(source, Path(mlx_dir), revision=revision, token=token, mtp=mtp,
+                                    mtp_bits=mtp_bits, check=check)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
+    info["checks"] = record
+    return info
+
+
+def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, private: bool = False,
+           checks: Checks = Checks(min_acceptance=0.0), record: Optional[CheckRecord] = None,
+           events: Optional[Events] = None) -> str:
+    """Verify a folder, write its model card, upload it in one commit; return the commit URL."""
+    from .hub.card import model_card
+    from .hub.upload import upload as push
+
+    events = events or Events()
+    folder = Path(folder)
+    record = record if record is not None else CheckRecord()
+    if record.verify is None or record.smoke is None:
+        report = verify(folder)
+        run_checks(folder, Checks(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
+                                  min_acceptance=checks.min_acceptance),
+                   record, has_mtp=report.mtp_layers_config > 0, on_stage=events.stage)
+    card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok)
+    events.stage(f"uploading to {repo_id}")
+    return push(folder, repo_id, token=token, private=private, card=card)
+
+
+def verify(path: PathLike, deep: bool = False):
+    """Check any folder (raw HF, ours, another MLX conversion) from its headers; see ``verify.Report``."""
+    from .verify import verify as run
+
+    return run(Path(path), deep=deep)
+
+
+def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
+          hidden: str = "post-norm", min_acceptance: float = Checks().min_acceptance):
+    """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
+    from .runtime.smoke import smoke as run
+
+    return run(Path(path), prompts, max_tokens, hidden, min_acceptance)
+
+
+def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
+          depths: Sequence[int] = (1,), hiddens: Sequence[str] = ("post-norm", "pre-norm"), sampling=None,
+          seed: int = 0, on_tokens: Optional[Callable[[int], None]] = None):
+    """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs."""
+    from .runtime.bench import bench as run
+    from .runtime.sampling import Sampling
+
+    if any(d < 1 for d in depths):
+        raise OptionsError("--depth must be >= 1")
+    try:
+        sampling = sampling or Sampling()
+    except ValueError as e:
+        raise OptionsError(str(e)) from None
+    return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens)
+
+
+def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
+               events: Optional[Events] = None, **overrides) -> ConversionResult:
+    """Run one recipe file: pull-and-convert with its options, then upload to its repo unless ``upload=False``."""
+    from .recipes import load_recipe
+
+    recipe = load_recipe(Path(path))
+    return pull_and_convert(recipe.repo, out, recipe.options, revision=recipe.revision, token=token,
+                            upload_repo=recipe.upload_repo if upload else None, events=events, **overrides)

@@ -1,0 +1,135 @@
+"""`verify`, `smoke` and `bench`: check a folder, and measure its MTP head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, List
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .. import api
+from ..errors import OptionsError
+from . import options as o
+from .errors import handled
+from .render import bench_table, report_table
+
+console = Console(stderr=True)
+out_console = Console()
+
+VERIFY_EPILOG = """Examples:
+
+  mtpconvert verify out/
+
+  mtpconvert verify mlx-community/Qwen3.5-2B-mxfp4 --json --deep
+"""
+
+SMOKE_EPILOG = """Examples:
+
+  mtpconvert smoke out/ -p "def fibonacci(n):" --min-acceptance 0.5
+"""
+
+BENCH_EPILOG = """Examples:
+
+  mtpconvert bench out/ --depth 1 --depth 2
+
+  mtpconvert bench out/ --temp 0.7 --top-p 0.9 --json
+"""
+
+
+def print_smoke(result, to: Console) -> None:
+    status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
+    acc, prop = sum(result.mtp.accepted), sum(result.mtp.proposed)
+    same = "identical to plain greedy" if result.identical else (
+        f"[red]differs from plain greedy[/red] on prompt(s) {result.mismatched_prompts}")
+    to.print(f"MTP draft acceptance ({result.hidden}): {acc}/{prop} = {result.acceptance:.1%} "
+             f"(floor {result.min_acceptance:.0%}), {result.mtp.tokens_per_step:.2f} tokens/step, output {same} "
+             f"{status}", highlight=False)
+
+
+@handled
+def verify(
+    path: Annotated[Path, typer.Argument(help="Folder to check (raw HF, mtpconvert output, or another MLX "
+                                         "conversion).")],
+    as_json: o.Json = False,
+    deep: Annotated[bool, typer.Option("--deep", help="Also read every float tensor and report NaN/Inf by "
+                                       "name.")] = False,
+):
+    """Check a folder from its headers: layout, MTP, experts, norm shift, quantization, index."""
+    report = api.verify(path, deep=deep)
+    if as_json:
+        out_console.print_json(json.dumps(report.to_json()))
+    else:
+        report_table(report, out_console)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _prompts(prompt):
+    if prompt is not None and any(not p.strip() for p in prompt):
+        raise OptionsError("--prompt must not be empty")
+    return prompt
+
+
+@handled
+def smoke(
+    path: Annotated[Path, typer.Argument(help="Converted MLX folder with an MTP head.")],
+    prompt: o.Prompts = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Greedy tokens generated per prompt.", min=1)] = 48,
+    min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    hidden: Annotated[o.Hidden, typer.Option("--mtp-hidden", help="Backbone state fed to the head.")]
+    = o.Hidden["post-norm"],
+    as_json: o.Json = False,
+):
+    """Greedy MTP decoding next to plain greedy on a few prompts; non-zero exit when the head is absent or broken."""
+    result = api.smoke(path, _prompts(prompt), max_tokens, hidden.value, min_acceptance)
+    if as_json:
+        out_console.print_json(json.dumps(result.to_json()))
+    else:
+        print_smoke(result, out_console)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@handled
+def bench(
+    path: Annotated[Path, typer.Argument(help="Converted MLX folder with an MTP head.")],
+    prompt: o.Prompts = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens generated per prompt and decoder.",
+                                            min=1)] = 128,
+    depth: Annotated[List[int], typer.Option("--depth", "-k", help="Chained MTP drafts per step (repeatable).")]
+    = [1],  # noqa: B006 - typer reads the default, never mutates it
+    hidden: Annotated[o.BenchHidden, typer.Option("--mtp-hidden", help="Backbone state fed to the head.")]
+    = o.BenchHidden.both,
+    temperature: Annotated[float, typer.Option("--temp", help="Sampling temperature (0 = greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling: keep the top tokens up to this "
+                                         "probability mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep only the k most likely tokens (0 = off).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled draws.")] = 0,
+    as_json: o.Json = False,
+):
+    """MTP speculative decoding vs plain decoding: acceptance per depth, tokens/step, tok/s, speedup, step costs."""
+    from ..runtime.sampling import Sampling
+
+    try:
+        sampling = Sampling(temperature, top_p, top_k)
+    except ValueError as e:
+        raise OptionsError(str(e)) from None
+    hiddens = ("post-norm", "pre-norm") if hidden is o.BenchHidden.both else (hidden.value,)
+    prompts = _prompts(prompt)
+    total = 2 * (len(prompts) if prompts else 3) * len(hiddens) * len(depth) * max_tokens
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
+                  TimeElapsedColumn(), console=console, transient=True, disable=as_json) as bar:
+        task = bar.add_task("decoding", total=total)
+        result = api.bench(path, prompts, max_tokens, depth, hiddens, sampling, seed,
+                           on_tokens=lambda n: bar.advance(task, n))
+    if as_json:
+        out_console.print_json(json.dumps(result.to_json()))
+    else:
+        bench_table(result, out_console)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify", epilog=VERIFY_EPILOG)(verify)
+    app.command(epilog=SMOKE_EPILOG)(smoke)
+    app.command(epilog=BENCH_EPILOG)(bench)

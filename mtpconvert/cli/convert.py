@@ -1,0 +1,167 @@
+"""`convert` and `pull-and-quantize`: parse options, call the API, show the plan and the result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .. import api
+from ..checks import Checks
+from ..errors import OptionsError
+from . import options as o
+from .errors import handled
+from .progress import rich_events
+from .render import human_bytes, plan_table
+
+console = Console(stderr=True)
+out_console = Console()
+
+CONVERT_EPILOG = """Examples:
+
+  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dtype float16
+
+  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dry-run --json
+"""
+
+PULL_EPILOG = """Examples:
+
+  mtpconvert pull-and-quantize Qwen/Qwen3.5-27B --bits 4 --dtype float16
+
+  mtpconvert pull-and-quantize Qwen/Qwen3.5-397B-A17B --bits 4 --stream --upload-repo me/Qwen3.5-397B-4bit-mtp
+"""
+
+
+def _checks(no_verify: bool, no_smoke: bool, min_acceptance: float) -> Checks:
+    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance)
+
+
+def print_result(result: api.ConversionResult) -> None:
+    record = result.checks
+    if record.smoke is not None:
+        from .check import print_smoke
+
+        print_smoke(record.smoke, console)
+    for note in record.notes:
+        console.print(note, highlight=False)
+    reused = f", {result.shards_reused} reused after checking" if result.shards_reused else ""
+    console.print(f"[green]wrote[/green] {result.out} ({len(result.shards)} shard(s){reused}, {result.tensors} "
+                  "tensors)")
+    if result.peak_stream_bytes is not None:
+        console.print(f"streamed: at most {human_bytes(result.peak_stream_bytes)} of raw shards on disk at once")
+
+
+@handled
+def convert(
+    source: Annotated[Path, typer.Argument(help="Local checkpoint folder (raw Hugging Face or MLX).")],
+    out: Annotated[Optional[Path], typer.Argument(help="Output folder (written atomically).", show_default=False)]
+    = None,
+    bits: o.Bits = None,
+    group_size: o.GroupSize = None,
+    q_mode: o.QModeOpt = o.DEFAULTS["q_mode"],
+    dtype: o.DTypeOpt = None,
+    mtp: o.Mtp = o.DEFAULTS["mtp"],
+    mtp_bits: o.MtpBits = None,
+    keep_vision: o.KeepVision = False,
+    max_shard_gb: o.MaxShardSize = o.DEFAULTS["max_shard_gb"],
+    dry_run: o.DryRun = False,
+    as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON on stdout.")] = False,
+    overwrite: o.Overwrite = False,
+    resume: o.Resume = False,
+    no_verify: o.NoVerify = False,
+    no_smoke: o.NoSmoke = False,
+    min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+):
+    """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
+    options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
+                                mtp_bits=mtp_bits, keep_vision=keep_vision, max_shard_gb=max_shard_gb)
+    if dry_run:
+        plan = api.plan(source, options)
+        if as_json:
+            out_console.print_json(json.dumps(plan.to_json()))
+        else:
+            plan_table(plan, out_console)
+        return
+    if as_json:
+        raise OptionsError("--json needs --dry-run (a conversion prints its progress, not a plan)")
+    if out is None:
+        raise OptionsError("OUT is required unless --dry-run")
+    with rich_events(console) as events:
+        result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance),
+                             overwrite=overwrite, resume=resume, events=events)
+    print_result(result)
+
+
+@handled
+def pull_and_quantize(
+    repo_id: Annotated[str, typer.Argument(help="Hub repository, e.g. Qwen/Qwen3.5-27B.")],
+    out: Annotated[Optional[Path], typer.Argument(help="Output folder (default: ./<name>-<bits>bit-mtp-mlx).",
+                                                  show_default=False)] = None,
+    revision: o.Revision = None,
+    bits: o.Bits = None,
+    group_size: o.GroupSize = None,
+    q_mode: o.QModeOpt = o.DEFAULTS["q_mode"],
+    dtype: o.DTypeOpt = None,
+    mtp: o.Mtp = o.DEFAULTS["mtp"],
+    mtp_bits: o.MtpBits = None,
+    keep_vision: o.KeepVision = False,
+    max_shard_gb: o.MaxShardSize = o.DEFAULTS["max_shard_gb"],
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="huggingface_hub cache (default: HF_HOME).",
+                                                      show_default=False)] = None,
+    local_dir: Annotated[Optional[Path], typer.Option("--local-dir", help="Download into this folder instead of "
+                                                      "the cache.", show_default=False)] = None,
+    token: o.Token = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size.")] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Fetch each raw shard when first needed and delete it "
+                                         "after its last use: raw data on disk stays within the two largest "
+                                         "shards.")] = False,
+    timeout: o.Timeout = 30.0,
+    as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: the download plan as JSON.")] = False,
+    overwrite: o.Overwrite = False,
+    resume: o.Resume = False,
+    no_smoke: o.NoSmoke = False,
+    min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    upload_repo: Annotated[Optional[str], typer.Option("--upload-repo", help="Upload the result here, with a model "
+                                                       "card.", show_default=False)] = None,
+    private: o.Private = False,
+):
+    """Download only what conversion needs, convert, quantize, verify, smoke-test; optionally upload."""
+    options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
+                                mtp_bits=mtp_bits, keep_vision=keep_vision, max_shard_gb=max_shard_gb)
+    if dry_run:
+        with console.status(f"resolving {repo_id}"):
+            pull = api.pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir,
+                                 timeout=timeout)
+        print_pull_plan(pull, as_json)
+        return
+    if as_json:
+        raise OptionsError("--json needs --dry-run")
+    with rich_events(console) as events:
+        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=_checks(False, no_smoke,
+                                                                                              min_acceptance),
+                                      stream=stream, cache_dir=cache_dir, local_dir=local_dir, token=token,
+                                      timeout=timeout, overwrite=overwrite, resume=resume, upload_repo=upload_repo,
+                                      private=private, events=events)
+    print_result(result)
+    if upload_repo:
+        console.print(f"[green]uploaded[/green] {upload_repo}")
+
+
+def print_pull_plan(pull, as_json: bool) -> None:
+    if as_json:
+        out_console.print_json(json.dumps(pull.to_json()))
+        return
+    out_console.print(f"{pull.repo_id} @ {pull.sha}")
+    for f in pull.files:
+        out_console.print(f"  download {f.name:60s} {human_bytes(f.size or 0):>10s}", highlight=False)
+    for f in pull.skipped:
+        out_console.print(f"  skip     {f.name:60s} {human_bytes(f.size or 0):>10s}", style="dim", highlight=False)
+    out_console.print(f"total to download: {human_bytes(pull.total_bytes)}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(epilog=CONVERT_EPILOG)(convert)
+    app.command("pull-and-quantize", epilog=PULL_EPILOG)(pull_and_quantize)

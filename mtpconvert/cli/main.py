@@ -1,0 +1,53 @@
+"""The `mtpconvert` command: one module per command group registers its commands here."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import click
+import typer
+from rich.console import Console
+
+from .. import __version__
+from . import check, convert, hub, recipe
+from .errors import report
+
+app = typer.Typer(
+    help="Convert Qwen3.5/3.6 checkpoints to MLX with the Multi-Token-Prediction head kept.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback(invoke_without_command=True)
+def _root(version: bool = typer.Option(False, "--version", help="Print the version and exit.")):
+    if version:
+        Console().print(__version__)
+        raise typer.Exit(0)
+
+
+for group in (convert, check, hub, recipe):
+    group.register(app)
+
+
+def run(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; return its exit code (errors outside a command go through the same table)."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="mtpconvert", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except BaseException as e:  # noqa: BLE001 - the error table decides
+        if isinstance(e, SystemExit):
+            return e.code if isinstance(e.code, int) else 1
+        return report(e)
+    return code if isinstance(code, int) else 0
+
+
+def main() -> None:
+    sys.exit(run())

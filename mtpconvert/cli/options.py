@@ -1,0 +1,64 @@
+"""Option aliases shared by the commands, and their choices, built from ``mtpconvert.options``."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, List, Optional
+
+import typer
+
+from ..checks import DEFAULT_MIN_ACCEPTANCE
+from ..options import FLOAT_DTYPES, MODES, MTP_POLICIES, ConvertOptions, QuantOptions
+
+DType = Enum("DType", {d: d for d in FLOAT_DTYPES}, type=str)
+QMode = Enum("QMode", {m: m for m in MODES}, type=str)
+MtpPolicy = Enum("MtpPolicy", {p: p for p in MTP_POLICIES if p != "bits"}, type=str)  # bits: via --mtp-bits
+Hidden = Enum("Hidden", {"post-norm": "post-norm", "pre-norm": "pre-norm"}, type=str)
+BenchHidden = Enum("BenchHidden", {"post-norm": "post-norm", "pre-norm": "pre-norm", "both": "both"}, type=str)
+
+_AFFINE = ", ".join(map(str, MODES["affine"][0]))
+
+Bits = Annotated[Optional[int], typer.Option(
+    "--bits", "-q", help=f"Quantize the backbone to this many bits (affine: {_AFFINE}; mxfp4/nvfp4: 4; mxfp8: 8).",
+    show_default=False)]
+GroupSize = Annotated[Optional[int], typer.Option(
+    "--group-size", help="Quantization group size (affine: 32, 64, 128, default 64; fixed for the fp modes).",
+    show_default=False)]
+QModeOpt = Annotated[QMode, typer.Option("--q-mode", help="Quantization mode (needs --bits).")]
+DTypeOpt = Annotated[Optional[DType], typer.Option("--dtype", help="Float dtype of the output (default: the "
+                                                   "source's).", show_default=False)]
+Mtp = Annotated[MtpPolicy, typer.Option("--mtp", help="MTP head: keep at --dtype, match the backbone's "
+                                        "quantization, or drop.")]
+MtpBits = Annotated[Optional[int], typer.Option("--mtp-bits", help=f"Quantize the MTP head to N bits (affine: "
+                                                f"{_AFFINE}).", show_default=False)]
+KeepVision = Annotated[bool, typer.Option("--keep-vision", help="Keep the vision tower (mlx-vlm naming).")]
+MaxShardSize = Annotated[float, typer.Option("--max-shard-size", help="Largest output shard, in GB.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
+Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout.")]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Reuse shards an interrupted run finished (re-hashed "
+                                      "first).")]
+NoVerify = Annotated[bool, typer.Option("--no-verify", help="Skip verifying the output before it is committed.")]
+NoSmoke = Annotated[bool, typer.Option("--no-smoke", help="Skip the MTP decode smoke test.")]
+MinAcceptance = Annotated[float, typer.Option("--min-acceptance", help="Smoke floor for greedy draft acceptance.")]
+Token = Annotated[Optional[str], typer.Option("--token", help="Hub token (default: HF_TOKEN or the saved login).",
+                                              show_default=False)]
+Revision = Annotated[Optional[str], typer.Option("--revision", help="Branch, tag or commit (pinned to its sha).",
+                                                 show_default=False)]
+Private = Annotated[bool, typer.Option("--private", help="Create the Hub repository as private.")]
+Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).",
+                                                      show_default=False)]
+Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
+
+DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, max_shard_gb=5.0, min_acceptance=DEFAULT_MIN_ACCEPTANCE)
+
+
+def convert_options(*, dtype: Optional[DType], bits: Optional[int], group_size: Optional[int], q_mode: QMode,
+                    mtp: MtpPolicy, mtp_bits: Optional[int], keep_vision: bool, max_shard_gb: float) -> ConvertOptions:
+    """The shared conversion options of `convert` and `pull-and-quantize`."""
+    return ConvertOptions(
+        dtype=dtype.value if dtype else None,
+        quant=QuantOptions(bits, group_size, q_mode.value, mtp.value, mtp_bits),
+        keep_vision=keep_vision,
+        max_shard_bytes=int(max_shard_gb * (1 << 30)),
+    )

@@ -1,0 +1,60 @@
+"""`recipe list` and `recipe run`: per-model conversion recipes, run through the API (exit codes included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .. import api
+from ..recipes import list_recipes, load_recipe
+from . import options as o
+from .convert import print_pull_plan, print_result
+from .errors import handled
+from .progress import rich_events
+
+console = Console(stderr=True)
+out_console = Console()
+
+app = typer.Typer(help="Per-model conversion recipes (recipes/*.toml).", no_args_is_help=True)
+
+
+@app.command("list")
+@handled
+def recipe_list(folder: Annotated[Path, typer.Option("--dir", help="Folder of recipe files.")] = Path("recipes")):
+    """Every recipe with its repository and options."""
+    recipes = list_recipes(folder)
+    table = Table(title=f"recipes in {folder}")
+    for col in ("file", "repo", "bits", "group", "dtype", "MTP", "upload to"):
+        table.add_column(col, overflow="fold")
+    for r in recipes:
+        table.add_row(r.path.name, r.repo, str(r.bits or "-"), str(r.group_size or "-"), r.dtype or "source",
+                      r.mtp if r.mtp_bits is None else f"{r.mtp_bits}-bit", r.upload_repo or "-")
+    out_console.print(table)
+
+
+@app.command("run")
+@handled
+def recipe_run(
+    path: Annotated[Path, typer.Argument(help="A recipe file.")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output folder.", show_default=False)] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the download plan only.")] = False,
+    no_upload: Annotated[bool, typer.Option("--no-upload", help="Convert but do not upload.")] = False,
+    token: o.Token = None,
+):
+    """Run one recipe: pull-and-quantize -> verify -> smoke -> upload."""
+    recipe = load_recipe(path)
+    console.print("mtpconvert " + " ".join(recipe.cli_args()), highlight=False)
+    if dry_run:
+        print_pull_plan(api.pull_plan(recipe.repo, recipe.options, revision=recipe.revision, token=token), False)
+        return
+    with rich_events(console) as events:
+        result = api.run_recipe(path, out, upload=not no_upload, token=token, events=events)
+    print_result(result)
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="recipe")

@@ -1,0 +1,117 @@
+"""Rich tables for people; the JSON forms live next to the data (Plan.to_json, Report.to_json)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..plan import Plan
+from ..verify import ERROR, Report
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def plan_table(plan: Plan, console: Console, limit: int = 0) -> None:
+    table = Table(title=f"conversion plan: {plan.source}", show_lines=False)
+    for col in ("output tensor", "from", "steps", "shape", "out", "shard"):
+        table.add_column(col, overflow="fold")
+    items = plan.items if not limit else plan.items[:limit]
+    for it in items:
+        src = it.sources[0].key if len(it.sources) == 1 else f"{it.sources[0].key} (+{len(it.sources) - 1})"
+        out = it.dtype if it.quant is None else f"{it.quant.bits}b/g{it.quant.group_size}/{it.quant.mode}"
+        table.add_row(it.name, src, " → ".join(s.label for s in it.steps), "×".join(map(str, it.slot.shape)), out,
+                      it.shard.replace(".safetensors", ""))
+    console.print(table)
+    if limit and len(plan.items) > limit:
+        console.print(f"… {len(plan.items) - limit} more tensors (use --json for all)")
+    plan_summary(plan, console)
+
+
+def plan_summary(plan: Plan, console: Console) -> None:
+    groups = plan.by_group()
+    quant = Counter(
+        (it.slot.group, "unquantized" if it.quant is None else f"{it.quant.bits}b/g{it.quant.group_size}/{it.quant.mode}")
+        for it in plan.items
+    )
+    table = Table(title="summary")
+    table.add_column("group")
+    table.add_column("tensors", justify="right")
+    table.add_column("in", justify="right")
+    table.add_column("out", justify="right")
+    table.add_column("quantization")
+    for group, items in sorted(groups.items()):
+        q = ", ".join(f"{n}× {spec}" for (g, spec), n in sorted(quant.items()) if g == group)
+        table.add_row(group, str(len(items)), human_bytes(sum(i.in_bytes for i in items)),
+                      human_bytes(sum(i.out_bytes for i in items)), q)
+    console.print(table)
+    console.print(
+        f"layout {plan.style}, norm +1 shift: {'yes (raw source)' if plan.raw else 'no (already MLX)'}, "
+        f"dtype {plan.dtype}, MTP layers kept: {plan.mtp_layers} (policy {plan.options.quant.mtp}), "
+        f"{len(plan.shards)} output shard(s), {len(plan.dropped)} source tensor(s) dropped"
+    )
+
+
+def report_table(report: Report, console: Console) -> None:
+    table = Table(title=f"verify: {report.path}", show_header=False)
+    table.add_column("check")
+    table.add_column("result", overflow="fold")
+    mtp = f"{report.mtp_layers_found} found / {report.mtp_layers_config} in config"
+    mtp += " (complete)" if report.mtp_complete else ""
+    rows = [
+        ("layout", f"{report.layout} ({'VLM wrapper' if report.vlm else 'text-only'})"),
+        ("model", f"{report.model_type} ({'MoE' if report.moe else 'dense'})"),
+        ("tensors / shards", f"{report.tensors} / {report.shards}"),
+        ("MTP", mtp),
+        ("experts", report.experts),
+        ("norms", ", ".join(f"{g}: {s} (mean {report.norm_means[g]:.3f})" for g, s in report.norms.items()) or "-"),
+        ("quantization", "; ".join(f"{g}: " + ", ".join(f"{n}× {k}" for k, n in c.items())
+                                   for g, c in report.quantization.items()) or "-"),
+        ("dtypes", "; ".join(f"{g}: " + ", ".join(f"{n}× {k}" for k, n in c.items())
+                             for g, c in report.dtypes.items()) or "-"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    for f in report.findings:
+        style = "red" if f.severity == ERROR else "yellow" if f.severity == "warning" else "dim"
+        where = f" [{f.key}]" if f.key else ""
+        console.print(f"[{style}]{f.severity.upper():7}[/{style}] {escape(f'{f.code}: {f.message}{where}')}",
+                      highlight=False)
+    verdict = "[green]OK[/green]: loadable and MTP-consistent" if report.ok else "[red]FAILED[/red]"
+    console.print(verdict)
+
+
+def bench_table(result, console: Console) -> None:
+    """One row per (hidden convention, depth): acceptance, tokens/step, tok/s both ways, speedup, costs."""
+    s = result.sampling
+    mode = "greedy" if s.greedy else f"temp {s.temperature}, top-p {s.top_p}, top-k {s.top_k or 'off'}"
+    table = Table(title=f"MTP speculative decoding vs plain ({mode}; {result.prompts} prompts x "
+                        f"{result.max_tokens} tokens; {result.to_json()['device']})")
+    for col in ("h_t", "k", "accept (by depth)", "drafted", "tok/step", "plain tok/s", "MTP tok/s", "speedup",
+                "β / δ / ρ", "pred.", "ovh"):
+        table.add_column(col, justify="left" if col == "h_t" else "right")
+    for r in result.rows:
+        by_depth = "/".join(f"{a:.0%}" for a in r.mtp.acceptance_by_depth)
+        c = r.costs
+        table.add_row(
+            r.hidden.replace("-norm", ""), str(r.depth), f"{r.mtp.acceptance:.1%} ({by_depth})", f"{r.mtp.draft_share:.1%}",
+            f"{r.mtp.tokens_per_step:.2f}", f"{r.plain.decode_tps:.1f}", f"{r.mtp.decode_tps:.1f}",
+            f"{r.speedup:.2f}x",
+            f"{c.beta:.2f} / {c.delta:.2f} / {c.rho:.2f}" if c else "-",
+            f"{c.predicted_speedup(r.mtp.tokens_per_step, r.reject_share):.2f}x" if c else "-",
+            f"{r.overhead:.0%}" if r.overhead is not None else "-",
+        )
+    console.print(table)
+    console.print("accept: accepted/proposed drafts; drafted: share of emitted tokens that came from drafts; "
+                  "β: verify pass / decode step; δ: head steps / decode step; ρ: undo after a rejection / decode step; "
+                  "pred.: tok/step ÷ (β + δ + ρ × share of steps with a rejection); "
+                  "ovh: share of an MTP step outside model calls", style="dim")

@@ -1,0 +1,138 @@
+"""Row blocks: how a plan item is made a slice at a time.
+
+Every transform the plan uses (cast, norm+1, conv axis move, channels-last patch, expert
+stacking, gate/up split, group-wise quantization along the last axis) makes output rows
+``a:b`` of the leading axis from source rows ``a:b`` alone. So a tensor of any size can be
+produced in blocks of bounded bytes, each written at its own offset: peak memory is a few
+blocks, not the largest tensor, and blocks can be computed in parallel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..io.checkpoint import Checkpoint
+from ..io.header import leading_rows
+from ..io.reader import TensorReader
+from ..io.shard_writer import BF16Bits
+from ..plan import PlanItem
+from ..plan.steps import HALVES, Cast, Gather, Quantize, SplitGateUp, StackExperts
+from . import npquant
+from .ops import apply_steps, gather
+
+DEFAULT_BLOCK_BYTES = 16 << 20  # measured: 8 MiB pays per-block overhead, 32+ MiB pays page faults (glibc mmaps big blocks)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Output rows ``start:stop`` (leading axis) of one plan item."""
+
+    item: PlanItem
+    start: int
+    stop: int
+
+    @property
+    def last(self) -> bool:
+        return self.stop == rows(self.item)
+
+
+def rows(item: PlanItem) -> int:
+    return leading_rows(item.slot.shape)
+
+
+def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Block]:
+    """Split an item into blocks whose source bytes stay under ``max_bytes`` (at least one row each)."""
+    n = rows(item)
+    if n == 0:
+        return [Block(item, 0, 0)]
+    per_row = max(1, item.in_bytes // n)
+    step = max(1, max_bytes // per_row)
+    return [Block(item, a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def read_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> mx.array:
+    """The gathered source rows of one block: stacked experts, one half of a fused gate_up, ..."""
+    item, a, b = block.item, block.start, block.stop
+    if item.gather is Gather.STACK:
+        return gather([reader.read(ckpt.tensors[s.key]) for s in item.sources[a:b]], Gather.STACK)
+    info = ckpt.tensors[item.sources[0].key]
+    if item.gather in HALVES:
+        return reader.read_rows(info, a, b, part=(item.gather.half, 2))
+    return gather([reader.read_rows(info, a, b)], item.gather)
+
+
+def produce_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> List[mx.array]:
+    """The output arrays of one block, in ``item.outputs()`` order (lazy: not evaluated)."""
+    return apply_steps(read_block(block, ckpt, reader), block.item.steps)
+
+
+def produce(item: PlanItem, ckpt: Checkpoint, reader: TensorReader) -> List[mx.array]:
+    """The whole output arrays of one (small) item, evaluated."""
+    outs = produce_block(Block(item, 0, rows(item)), ckpt, reader)
+    mx.eval(*outs)
+    return outs
+
+
+# Steps a numpy-quantized item may have: gathers (done by viewing the source), a cast and
+# the quantization itself (both done by npquant).
+NUMPY_STEPS = (StackExperts, SplitGateUp, Cast, Quantize)
+NUMPY_GATHERS = (Gather.LOAD, Gather.STACK) + HALVES
+
+
+def quantized_in_numpy(item: PlanItem) -> bool:
+    """Whether npquant can make this item's blocks: affine 2/4/8-bit from float sources,
+    read straight from the files. The bytes are those of ``mx.quantize``; the CPU backend
+    uses it because MLX's CPU kernel is the conversion's bottleneck."""
+    q = item.quant
+    return (q is not None and item.gather in NUMPY_GATHERS
+            and all(isinstance(step, NUMPY_STEPS) for step in item.steps)
+            and len({s.dtype for s in item.sources}) == 1
+            and npquant.supports(item.sources[0].dtype, item.dtype, q.bits, q.group_size, q.mode))
+
+
+def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[int, ...]]]:
+    """(file, byte offset, shape) of each contiguous run of the block's source rows, in output row order."""
+    item, a, b = block.item, block.start, block.stop
+    if item.gather is Gather.STACK:  # one whole expert per output row
+        return [(str(info.file), info.start, info.shape) for info in (ckpt.tensors[s.key] for s in item.sources[a:b])]
+    info = ckpt.tensors[item.sources[0].key]
+    row_bytes = info.nbytes // leading_rows(info.shape)
+    if item.gather in HALVES:  # [E, 2I, H] -> the gate or up half of each expert
+        half_shape = (info.shape[1] // 2, *info.shape[2:])
+        half_bytes = row_bytes // 2
+        skip = item.gather.half * half_bytes
+        return [(str(info.file), info.start + e * row_bytes + skip, half_shape) for e in range(a, b)]
+    return [(str(info.file), info.start + a * row_bytes, (b - a, *info.shape[1:]))]
+
+
+def numpy_task(block: Block, ckpt: Checkpoint, reader: TensorReader) -> tuple:
+    """Arguments of ``npquant.quantize_file_rows`` for this block (picklable: a worker process
+    reads the source itself). The files are mapped here first, so a streamed shard is
+    fetched, and a truncated one named, before a worker reads it."""
+    item, q = block.item, block.item.quant
+    for s in item.sources[block.start:block.stop] if item.gather is Gather.STACK else item.sources[:1]:
+        reader.ensure(ckpt.tensors[s.key])
+    return (_source_runs(block, ckpt), item.sources[0].dtype, item.dtype, q.bits, q.group_size)
+
+
+def numpy_groups(block: Block) -> int:
+    """Quantization groups in a block npquant makes (a row of scales holds one per group)."""
+    scales = block.item.outputs()[1]
+    return (block.stop - block.start) * math.prod(scales.shape[1:])
+
+
+def numpy_outputs(block: Block, made: Tuple[np.ndarray, np.ndarray, np.ndarray]) -> List[np.ndarray]:
+    """npquant's flat (packed bytes, scales, biases) -> the block's outputs, shaped and typed
+    as ``item.outputs()`` plans them."""
+    n = block.stop - block.start
+    packed, scales, biases = made
+    out = []
+    for spec, arr in zip(block.item.outputs(), (packed.view(np.uint32), scales, biases)):
+        arr = arr.reshape((n, *spec.shape[1:]))
+        out.append(arr.view(BF16Bits) if spec.dtype == "bfloat16" else arr)
+    return out

@@ -1,0 +1,178 @@
+"""Run a plan: stream source tensors through their transforms into output shards.
+
+Items are cut into row blocks of bounded size (``blocks``); a few blocks are in flight
+at once: quantized weights in one npquant worker process per core (CPU backend), the
+rest on one MLX stream per core while the main thread copies the next block out of the
+source mapping, and a writer thread writes finished ones at their offsets. Shards are
+written with their header fixed up front, so memory is bounded by the block size and the
+pipeline depth, never by the largest tensor; the bytes do not depend on the order blocks
+finish in.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
+
+from .. import __version__
+from ..io.checkpoint import SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
+from ..io.output_folder import OutputFolder, describe_os_error
+from ..io.reader import TensorReader
+from ..io.shard_writer import StreamingShardWriter
+from ..plan import Plan, PlanItem
+from .blocks import DEFAULT_BLOCK_BYTES, item_blocks
+from .pipeline import compute_streams, quantizer_pool, write_blocks
+from .resume import RESUME_DIR, plan_fingerprint, reusable
+
+if TYPE_CHECKING:  # a download feed; execution only calls its ensure/release
+    from ..hub.stream import ShardStream
+
+Progress = Callable[[PlanItem, int], None]
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    shards: List[str]
+    tensors: int
+    bytes_written: int
+    shards_reused: int = 0
+
+
+
+
+def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
+    weight_map = {}
+    total = 0
+    for item in plan.items:
+        for spec in item.outputs():
+            weight_map[spec.key] = item.shard
+            total += spec.nbytes
+    meta = {
+        "format": "mlx",
+        "total_size": total,
+        "mtpconvert": {
+            "version": __version__,
+            "source_layout": plan.style,
+            "norm_shift_applied": plan.raw,
+            "dtype": plan.dtype,
+            "mtp_policy": plan.options.quant.mtp,
+            "mtp_layers": plan.mtp_layers,
+            **(extra_metadata or {}),
+        },
+    }
+    return {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def item_files(item: PlanItem, ckpt: Checkpoint) -> Set[Path]:
+    return {ckpt.tensors[s.key].file for s in item.sources}
+
+
+def source_users(plan: Plan, ckpt: Checkpoint) -> Dict[Path, Set[str]]:
+    """For each source file, the items that read it: a file is released (unmapped; a streamed
+    shard deleted) once its set is empty, whatever order items finish in."""
+    users: Dict[Path, Set[str]] = {}
+    for item in plan.items:
+        for f in item_files(item, ckpt):
+            users.setdefault(f, set()).add(item.name)
+    return users
+
+
+def copy_sidecars(src: Path, out: OutputFolder, keep_vision: bool) -> List[str]:
+    names = list(SIDECAR_FILES) + (list(VISION_SIDECAR_FILES) if keep_vision else [])
+    copied = []
+    for name in names:
+        p = src / name
+        if not p.is_file():
+            continue
+        safe_member(src, name, "file", file=p)  # links only within the folder or its hub blob store
+        shutil.copyfile(p, out.path(name))
+        copied.append(name)
+    return copied
+
+
+def execute(
+    plan: Plan,
+    ckpt: Checkpoint,
+    out: Path,
+    *,
+    overwrite: bool = False,
+    progress: Optional[Progress] = None,
+    extra_metadata: Optional[dict] = None,
+    check: Optional[Callable[[Path], None]] = None,
+    resume: bool = False,
+    workers: Optional[int] = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    stream: Optional["ShardStream"] = None,
+) -> ConvertResult:
+    """Write the plan's output folder atomically; ``check`` runs on the finished temp folder.
+
+    With ``resume``, shards finished by an interrupted run of the same plan are kept when
+    their recorded sha256 still matches; everything else is rewritten. With ``stream``,
+    source shards are fetched when first read and deleted after their last use.
+    """
+    shards: Dict[str, List[PlanItem]] = {}
+    for item in plan.items:
+        shards.setdefault(item.shard, []).append(item)
+    users = source_users(plan, ckpt)
+
+    written = reused = 0
+    fingerprint = plan_fingerprint(plan, ckpt)
+    with OutputFolder(out, overwrite=overwrite, resume=resume) as folder:
+        folder.path(RESUME_DIR).mkdir(exist_ok=True)
+        reader = TensorReader(stream.ensure, stream.release) if stream else TensorReader()
+        streams = compute_streams(workers)
+        position = 0
+
+        def item_done(item: PlanItem) -> None:
+            """Release the source files no unfinished item reads any more, report progress."""
+            nonlocal position
+            for f in item_files(item, ckpt):
+                waiting = users[f]
+                waiting.discard(item.name)
+                if not waiting:
+                    reader.release(f)
+            if progress:
+                progress(item, position)
+            position += 1
+
+        with quantizer_pool(plan, streams, block_bytes) as quantizers:
+            try:
+                for shard_name, items in shards.items():
+                    specs = [spec for item in items for spec in item.outputs()]
+                    path = folder.path(shard_name)
+                    if resume and reusable(folder, shard_name, fingerprint):
+                        reused += 1
+                        written += path.stat().st_size
+                        for item in items:
+                            item_done(item)
+                        continue
+                    writer = StreamingShardWriter(path, specs, {"format": "mlx"})
+                    try:
+                        blocks = (b for item in items for b in item_blocks(item, block_bytes))
+                        write_blocks(blocks, ckpt, reader, writer, streams, item_done, quantizers)
+                        writer.close()
+                        written += writer.size
+                        record = {"fingerprint": fingerprint, "size": writer.size, "sha256": writer.digest()}
+                        (folder.path(RESUME_DIR) / f"{shard_name}.json").write_text(json.dumps(record))
+                    except BaseException:
+                        writer.abort()
+                        raise
+            except OSError as e:
+                raise describe_os_error(e, out) from e
+            finally:
+                reader.close()
+        try:
+            folder.write_json("model.safetensors.index.json", index_json(plan, extra_metadata), indent=2)
+            folder.write_json("config.json", plan.config)
+            copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
+        except OSError as e:
+            raise describe_os_error(e, out) from e
+        shutil.rmtree(folder.path(RESUME_DIR))
+        if check is not None:
+            check(folder.tmp)
+        folder.commit()
+    return ConvertResult(out, list(shards), sum(len(i.outputs()) for i in plan.items), written, reused)

@@ -1,0 +1,1 @@
+"""Reading and writing checkpoint folders: safetensors headers, tensor reads, shard writes, the output folder."""

@@ -1,0 +1,188 @@
+"""A checkpoint folder seen through its headers: config, index, and tensor table.
+
+Nothing here reads tensor data. Shard names come from the index (or a glob when
+there is none) and are checked to stay inside the folder before they are opened.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ..errors import ConfigError, LayoutError, SafetensorsError
+from .header import Header, TensorInfo, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+
+# Files copied next to the weights (tokenizer, chat template, generation defaults).
+SIDECAR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+VISION_SIDECAR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
+
+# Weights in these formats are never opened: loading them would run pickle.
+PICKLE_SUFFIXES = (".bin", ".pth", ".pt", ".ckpt", ".pkl")
+
+
+@dataclass
+class Checkpoint:
+    """Headers of every shard of one folder, plus its config and index."""
+
+    root: Path
+    config: dict
+    shards: List[str]
+    headers: Dict[str, Header]
+    tensors: Dict[str, TensorInfo]
+    index_map: Optional[Dict[str, str]] = None
+    index_metadata: dict = field(default_factory=dict)
+
+    def shard_of(self, key: str) -> str:
+        return self.tensors[key].file.name
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def load_json(path: Path, what: str) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise ConfigError(f"{what} not found", file=path) from e
+    except OSError as e:
+        raise ConfigError(f"cannot read {what}: {e.strerror}", file=path) from e
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON ({e.msg} at line {e.lineno})", file=path) from e
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{what} must be a JSON object", file=path)
+    return obj
+
+
+def _inside(target: Path, folder: Optional[Path]) -> bool:
+    return folder is not None and (folder == target.parent or folder in target.parents)
+
+
+def _hub_blob_store(root: Path) -> Optional[Path]:
+    """huggingface_hub cache snapshots (models--X/snapshots/<sha>/) link into models--X/blobs/: allowed."""
+    root = root.absolute()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
+        blobs = root.parent.parent / "blobs"
+        return blobs.resolve() if blobs.is_dir() else None
+    return None
+
+
+def safe_member(root: Path, name: str, what: str, *, file: Path) -> Path:
+    """Resolve ``name`` inside ``root``; refuse absolute paths, '..' and escaping links."""
+    if not isinstance(name, str) or not name or name.startswith(("/", "\\")) or ":" in name[:3]:
+        raise LayoutError(f"{what} {name!r} is not a plain relative file name", file=file)
+    parts = Path(name).parts
+    if any(p in ("..", ".") for p in parts):
+        raise LayoutError(f"{what} {name!r} leaves the checkpoint folder", file=file)
+    root_resolved = root.resolve()
+    target = (root / name).resolve()
+    if not (_inside(target, root_resolved) or _inside(target, _hub_blob_store(root))):
+        raise LayoutError(
+            f"{what} {name!r} resolves outside the checkpoint folder (symlink?)", file=file
+        )
+    return root / name
+
+
+def list_shards(root: Path, index: Optional[dict]) -> List[str]:
+    index_path = root / INDEX_NAME
+    if index is not None:
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise LayoutError("index has no weight_map", file=index_path)
+        names = sorted(set(weight_map.values()), key=str)
+        for n in names:
+            safe_member(root, n, "shard", file=index_path)
+            if not (root / n).is_file():
+                raise LayoutError(
+                    f"index lists shard {n!r}, which is missing", file=index_path, code="shard-missing"
+                )
+        return names
+    names = sorted(p.name for p in root.glob("*.safetensors"))
+    if not names:
+        pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        hint = (
+            "pickle weights (" + ", ".join(pickles[:3]) + ") are never loaded; use a safetensors release"
+            if pickles
+            else None
+        )
+        raise LayoutError("no *.safetensors files and no index", file=root, hint=hint)
+    for n in names:
+        safe_member(root, n, "shard", file=root)
+    return names
+
+
+def open_checkpoint(root: Path) -> Checkpoint:
+    """Read config, index and all shard headers of a local folder."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError("checkpoint folder does not exist", file=root)
+    config = load_json(root / "config.json", "config.json")
+    index = load_json(root / INDEX_NAME, "index") if (root / INDEX_NAME).exists() else None
+    shards = list_shards(root, index)
+
+    headers: Dict[str, Header] = {}
+    tensors: Dict[str, TensorInfo] = {}
+    for name in shards:
+        header = read_header(root / name)
+        headers[name] = header
+        for key, info in header.tensors.items():
+            if key in tensors:
+                raise SafetensorsError(
+                    f"tensor appears in two shards ({tensors[key].file.name} and {name})",
+                    file=root / name,
+                    key=key,
+                    code="duplicate-tensor",
+                )
+            tensors[key] = info
+
+    index_map = None
+    if index is not None:
+        index_map = index["weight_map"]
+        index_path = root / INDEX_NAME
+        for key, shard in index_map.items():
+            if key not in tensors:
+                raise LayoutError(
+                    f"index maps the tensor to {shard}, which does not contain it",
+                    file=index_path,
+                    key=key,
+                    code="index-mismatch",
+                )
+            if tensors[key].file.name != shard:
+                raise LayoutError(
+                    f"index maps the tensor to {shard}, but it is in {tensors[key].file.name}",
+                    file=index_path,
+                    key=key,
+                    code="index-mismatch",
+                )
+        for key, info in tensors.items():
+            if key not in index_map:
+                raise LayoutError(
+                    "shard holds a tensor the index does not list", file=info.file, key=key,
+                    code="index-mismatch",
+                )
+    return Checkpoint(
+        root=root,
+        config=config,
+        shards=shards,
+        headers=headers,
+        tensors=tensors,
+        index_map=index_map,
+        index_metadata=(index or {}).get("metadata", {}) or {},
+    )

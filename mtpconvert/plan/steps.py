@@ -1,0 +1,98 @@
+"""The plan's vocabulary: how an item's sources are gathered, and the steps that transform them.
+
+Steps are small frozen values; execution dispatches on their type (``execute.ops``) and
+the table, the JSON plan and the resume fingerprint show their ``label``. Nothing parses
+a label back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from ..model.keys import HALVES, Gather  # noqa: F401  (re-exported: the plan's vocabulary)
+from .quant import QuantSpec
+
+
+
+
+@dataclass(frozen=True)
+class StackExperts:
+    """Expert e of the sources at row e (SwitchLinear layout); done by the gather."""
+
+    @property
+    def label(self) -> str:
+        return "stack_experts"
+
+
+@dataclass(frozen=True)
+class SplitGateUp:
+    """One half of a fused [E, 2I, H] gate_up_proj; done by the gather."""
+
+    half: int
+
+    @property
+    def label(self) -> str:
+        return f"split_gate_up[{self.half}]"
+
+
+@dataclass(frozen=True)
+class PatchChannelsLast:
+    """Vision Conv3d patch embedding [O, C, T, H, W] -> [O, T, H, W, C]; done by the gather."""
+
+    @property
+    def label(self) -> str:
+        return "patch_channels_last"
+
+
+@dataclass(frozen=True)
+class ConvAxis:
+    """Depthwise conv1d weight [C, 1, K] -> [C, K, 1]."""
+
+    @property
+    def label(self) -> str:
+        return "conv_axis"
+
+
+@dataclass(frozen=True)
+class ShiftNorm:
+    """Zero-centred RMSNorm weight w -> 1 + w (in float32)."""
+
+    @property
+    def label(self) -> str:
+        return "norm+1"
+
+
+@dataclass(frozen=True)
+class Cast:
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"cast:{self.dtype}"
+
+
+@dataclass(frozen=True)
+class Quantize:
+    spec: QuantSpec
+
+    @property
+    def label(self) -> str:
+        q = self.spec
+        return f"quantize:{q.bits}b/g{q.group_size}/{q.mode}"
+
+
+Step = Union[StackExperts, SplitGateUp, PatchChannelsLast, ConvAxis, ShiftNorm, Cast, Quantize]
+# steps the gather has already done when the chain runs
+GATHER_STEPS = (StackExperts, SplitGateUp, PatchChannelsLast)
+
+
+def gather_step(gather: Gather):
+    """The step that records a gather in the chain, or None for a plain load."""
+    if gather is Gather.STACK:
+        return StackExperts()
+    if gather in HALVES:
+        return SplitGateUp(gather.half)
+    if gather is Gather.VISION_PATCH:
+        return PatchChannelsLast()
+    return None
