@@ -35,7 +35,7 @@ VARIANTS = {  # name: (fixture, convert options)
     "moe-f32": ("moe", ["--dtype", "float32"]),
     "moe-q4": ("moe", ["--bits", "4", "--group-size", "32"]),  # bf16 MTP experts: cast to f32 on the CPU
     "moe-q4-match": ("moe", ["--bits", "4", "--group-size", "32", "--mtp", "match"]),
-    "moe-bf16": ("moe", []),  # the decoding smoke cannot run this on the CPU; both sides cast experts to f32
+    "moe-bf16": ("moe", []),  # float experts: both sides hold them in float32 on the CPU
 }
 
 
