@@ -188,9 +188,9 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
 
 
 def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, mtp: str = "keep",
-            mtp_bits: Optional[int] = None, token: Optional[str] = None, checks: Checks = Checks(),
-            events: Optional[Events] = None) -> dict:
-    """Graft the MTP head of ``source`` onto an existing MLX folder.
+            mtp_bits: Optional[int] = None, token: Optional[str] = None, mtp_layout: str = "sidecar",
+            checks: Checks = Checks(), events: Optional[Events] = None) -> dict:
+    """Graft the MTP head of ``source`` onto an existing MLX folder, in ``mtp_layout``.
 
     ``source`` is the original release: a Hub repo id (only the head's byte ranges are read)
     or a local raw folder (offline).
@@ -207,11 +207,11 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
 
     try:
         if Path(source).is_dir():
-            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, check=check)
+            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
             info = {"sha": "local", "fetched_bytes": 0, "source_bytes": 0, "added": len(added)}
         else:
             info = add_mtp_from_hub(source, Path(mlx_dir), revision=revision, token=token, mtp=mtp,
-                                    mtp_bits=mtp_bits, check=check)
+                                    mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
     info["checks"] = record

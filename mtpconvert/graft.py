@@ -24,11 +24,14 @@ from .io.checkpoint import INDEX_NAME, open_checkpoint
 from .io.output_folder import OutputFolder
 from .io.reader import TensorReader
 from .io.shard_writer import StreamingShardWriter
+from .execute.run import link_head
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
+from .plan.build import MTP_FILE
 
-MTP_SHARD = "model-mtp.safetensors"
+IN_MODEL_SHARD = "model-mtp.safetensors"  # --mtp-layout in-model: a model shard the index lists
 MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+HEAD_PREFIXES = ("language_model.mtp.", "mtp.")
 
 
 def _existing_dtype(ckpt) -> str:
@@ -38,20 +41,39 @@ def _existing_dtype(ckpt) -> str:
     return "bfloat16"
 
 
+def _head_config(config: dict, plan) -> dict:
+    """``config`` with the head's fields from the plan's config: layer count, the sidecar's
+    extra-tensor record and hidden-state mode, and the head's quantization entries."""
+    config = dict(config)
+    tc = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    planned_tc = plan.config.get("text_config", plan.config)
+    tc["mtp_num_hidden_layers"] = plan.mtp_layers
+    if "mtp_hidden_state_mode" in planned_tc:
+        tc["mtp_hidden_state_mode"] = planned_tc["mtp_hidden_state_mode"]
+    if "mlx_lm_extra_tensors" in plan.config:
+        config["mlx_lm_extra_tensors"] = plan.config["mlx_lm_extra_tensors"]
+    for block in ("quantization", "quantization_config"):
+        if block in config:
+            config[block] = {**config[block], **{k: v for k, v in plan.config.get(block, {}).items()
+                                                 if k.startswith(HEAD_PREFIXES)}}
+    return config
+
+
 def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optional[int] = None,
-          check: Optional[Callable[[Path], None]] = None) -> List[str]:
-    """Add the MTP head of the raw checkpoint at ``source_dir`` to ``mlx_dir``; return the added tensor names."""
+          mtp_layout: str = "sidecar", check: Optional[Callable[[Path], None]] = None) -> List[str]:
+    """Add the MTP head of the raw checkpoint at ``source_dir`` to ``mlx_dir`` in ``mtp_layout``;
+    return the added tensor names."""
     mlx_dir = Path(mlx_dir)
     existing = open_checkpoint(mlx_dir)
-    if any(k.startswith("language_model.mtp.") for k in existing.tensors):
+    if any(k.startswith(HEAD_PREFIXES) for k in existing.tensors):
         raise LayoutError("the folder already has MTP tensors", file=mlx_dir, hint="nothing to add")
     q = existing.config.get("quantization") or {}
     quant = QuantOptions(q.get("bits"), q.get("group_size"), q.get("mode", "affine"), mtp, mtp_bits)
     raw = open_checkpoint(source_dir)
-    plan = build_plan(raw, ConvertOptions(dtype=_existing_dtype(existing), quant=quant))
+    plan = build_plan(raw, ConvertOptions(dtype=_existing_dtype(existing), quant=quant, mtp_layout=mtp_layout))
     if plan.mtp_layers == 0:
         raise LayoutError("the source checkpoint has no MTP head", file=source_dir)
-    items = [it for it in plan.items if it.name.startswith("language_model.mtp.")]
+    items = plan.head_items
     for probe in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"):
         mine = next((it for it in plan.items if it.name == probe), None)
         theirs = existing.tensors.get(probe)
@@ -59,13 +81,15 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
             raise LayoutError(f"the source's {probe} is {list(mine.slot.shape)}, the folder's {list(theirs.shape)}: "
                               "not the same model", file=mlx_dir, key=probe)
 
+    sidecar = mtp_layout == "sidecar"
+    head_file = MTP_FILE if sidecar else IN_MODEL_SHARD
     added: List[str] = []
     with OutputFolder(mlx_dir, overwrite=True) as folder:
         for p in mlx_dir.iterdir():
             if p.is_file() and p.name not in ("config.json", INDEX_NAME):
                 os.link(p, folder.path(p.name))
         specs = [s for it in items for s in it.outputs()]
-        writer = StreamingShardWriter(folder.path(MTP_SHARD), specs, {"format": "mlx"})
+        writer = StreamingShardWriter(folder.path(head_file), specs, {"format": "mlx"})
         reader = TensorReader()
         try:
             for it in items:
@@ -79,21 +103,17 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
         finally:
             reader.close()
 
-        config = dict(existing.config)
-        tc = config["text_config"] if isinstance(config.get("text_config"), dict) else config
-        tc["mtp_num_hidden_layers"] = plan.mtp_layers
-        for block in ("quantization", "quantization_config"):
-            if block in config:
-                config[block] = {**config[block], **{k: v for k, v in plan.config.get(block, {}).items()
-                                                     if k.startswith("language_model.mtp.")}}
-        folder.write_json("config.json", config)
+        folder.write_json("config.json", _head_config(existing.config, plan))
         index = json.loads((mlx_dir / INDEX_NAME).read_text()) if (mlx_dir / INDEX_NAME).exists() else {
             "metadata": {}, "weight_map": {k: s for s in existing.shards for k in existing.headers[s].tensors}}
-        index.setdefault("metadata", {})["total_size"] = int(index["metadata"].get("total_size", 0)) + sum(
-            s.nbytes for s in specs)
-        index["metadata"].setdefault("mtpconvert", {})["mtp_grafted"] = {"mtp_policy": quant.mtp,
-                                                                          "mtp_layers": plan.mtp_layers}
-        index["weight_map"] = dict(sorted({**index["weight_map"], **{k: MTP_SHARD for k in added}}.items()))
+        meta = index.setdefault("metadata", {})
+        meta.setdefault("mtpconvert", {})["mtp_grafted"] = {"mtp_policy": quant.mtp, "mtp_layers": plan.mtp_layers,
+                                                            "mtp_layout": mtp_layout}
+        if sidecar:
+            link_head(folder)
+        else:
+            meta["total_size"] = int(meta.get("total_size", 0)) + sum(s.nbytes for s in specs)
+            index["weight_map"] = dict(sorted({**index["weight_map"], **{k: head_file for k in added}}.items()))
         folder.write_json(INDEX_NAME, index, indent=2)
         if check is not None:
             check(folder.tmp)
@@ -102,7 +122,7 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
 
 
 def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = None, token: Optional[str] = None,
-                     mtp: str = "keep", mtp_bits: Optional[int] = None,
+                     mtp: str = "keep", mtp_bits: Optional[int] = None, mtp_layout: str = "sidecar",
                      check: Optional[Callable[[Path], None]] = None) -> dict:
     """Fetch headers + MTP byte ranges of ``repo_id`` into a sparse mirror, then graft."""
     from huggingface_hub import hf_hub_download
@@ -120,6 +140,6 @@ def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = N
                                                 endpoint=hub.endpoint(), cache_dir=hub.cache_dir()), mirror / name)
         fetched = fetch_sparse(repo_id, pull.sha, {n: sizes[n] for n in shard_names}, mirror,
                                lambda k: k.startswith("mtp."), token)
-        added = graft(mirror, mlx_dir, mtp=mtp, mtp_bits=mtp_bits, check=check)
+        added = graft(mirror, mlx_dir, mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
     return {"sha": pull.sha, "fetched_bytes": fetched, "source_bytes": sum(sizes[n] or 0 for n in shard_names),
             "added": len(added)}

@@ -20,6 +20,11 @@ MODES = {
     "mxfp8": ((8,), 32, (32,)),
 }
 MTP_POLICIES = ("keep", "match", "bits", "drop")
+# Where the MTP head is written (docs/interop.md says which runtime reads which):
+#   sidecar   root mtp.safetensors (mtp.* keys) + mtp/weights.safetensors link + manifest; the
+#             model shards hold no mtp.* key, so no mlx-lm version shifts the backbone twice
+#   in-model  language_model.mtp.* inside the model shards (mlx-lm PR #990, oMLX)
+MTP_LAYOUTS = ("sidecar", "in-model")
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
 
 
@@ -69,3 +74,4 @@ class ConvertOptions:
     quant: QuantOptions = QuantOptions()
     keep_vision: bool = False
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    mtp_layout: str = "sidecar"

@@ -52,7 +52,7 @@ class Built:
 
 
 def convert_folder(src: Path, out: Path, *, edit: Optional[Callable[[object], None]] = None,
-                   dtype: Optional[str] = None, keep_vision: bool = False, **quant):
+                   dtype: Optional[str] = None, keep_vision: bool = False, mtp_layout: str = "sidecar", **quant):
     """Convert ``src`` into ``out`` with these options (``quant``: QuantOptions fields); return the plan.
 
     ``edit(plan)`` runs before execution: how a test makes a deliberately broken conversion
@@ -64,7 +64,8 @@ def convert_folder(src: Path, out: Path, *, edit: Optional[Callable[[object], No
     from mtpconvert.plan import build_plan
 
     ckpt = open_checkpoint(Path(src))
-    plan = build_plan(ckpt, ConvertOptions(dtype=dtype, quant=QuantOptions(**quant), keep_vision=keep_vision))
+    plan = build_plan(ckpt, ConvertOptions(dtype=dtype, quant=QuantOptions(**quant), keep_vision=keep_vision,
+                                           mtp_layout=mtp_layout))
     if edit is not None:
         edit(plan)
     execute(plan, ckpt, Path(out))

@@ -23,7 +23,8 @@ def test_dry_run_json_writes_nothing(raw_checkpoints, tmp_path):
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     assert plan["norm_shift"] is True and plan["mtp_layers"] == 1
-    assert any(t["name"] == "language_model.mtp.fc.weight" and t["quant"] is None for t in plan["tensors"])
+    assert any(t["name"] == "mtp.fc.weight" and t["quant"] is None and t["shard"] == "mtp.safetensors"
+               for t in plan["tensors"])
     assert not (tmp_path / "out").exists()
 
 

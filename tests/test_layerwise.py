@@ -75,9 +75,9 @@ def reference(path, ids, hidden="post-norm"):
 
 
 def rewrite(src: Path, dst: Path, fn, config_fn=None) -> Path:
-    """A copy of a converted folder with its tensors (and config) changed."""
+    """A copy of a converted folder with its tensors (shards and MTP sidecar) and config changed."""
     shutil.copytree(src, dst)
-    for f in glob.glob(str(dst / "model*.safetensors")):
+    for f in glob.glob(str(dst / "model*.safetensors")) + glob.glob(str(dst / "mtp.safetensors")):
         mx.save_safetensors(f, fn(dict(mx.load(f))), metadata={"format": "mlx"})
     index = dst / "model.safetensors.index.json"
     if index.exists():
@@ -108,7 +108,7 @@ def test_layerwise_predictions_equal_the_loaded_model(folders, variant):
     assert lw.head_next == ref.head_next
     assert lw.acceptance == ref.acceptance and lw.compared == sum(len(i) - 1 for i in ids)
     assert lw.acceptance >= 0.9 and lw.ok  # a correct head on the fixture: ~97-99% teacher-forced
-    assert lw.head_source == "in-model"
+    assert lw.head_source == "sidecar"
 
 
 def test_pre_norm_hidden_equals_the_loaded_model(folders):
@@ -153,21 +153,15 @@ def test_dequantized_cpu_path_agrees_with_exact(folders, monkeypatch, variant, d
     assert abs(exact.acceptance - fast.acceptance) <= 0.03
 
 
-def test_sidecar_head_gives_the_same_numbers(folders, tmp_path):
-    """The head moved to a root mtp.safetensors with mtp.* keys: located there, same predictions."""
+def test_in_model_head_gives_the_same_numbers(folders, tmp_path):
+    """The head inside the shards (--mtp-layout in-model, per-expert float experts): same predictions."""
     src = folders("moe-q4")
-    path = rewrite(src, tmp_path / "sidecar", lambda w: {k: v for k, v in w.items() if ".mtp." not in "." + k})
-    head = {}
-    for f in glob.glob(str(src / "model*.safetensors")):
-        head.update({"mtp." + k[len("language_model.mtp."):]: v for k, v in mx.load(f).items()
-                     if k.startswith("language_model.mtp.")})
-    mx.save_safetensors(str(path / "mtp.safetensors"), head, metadata={"format": "mlx"})
-    assert locate_mtp(path).source == "sidecar" and locate_mtp(src).source == "in-model"
-    assert locate_mtp(path).tensors.keys() == locate_mtp(src).tensors.keys()
+    path = convert(tmp_path / "in-model", "moe-q4", "--mtp-layout", "in-model")
+    assert locate_mtp(path).source == "in-model" and locate_mtp(src).source == "sidecar"
     ids = token_ids(path, n=2)
     a = layerwise_acceptance(path, token_ids=ids, exact=True)
     b = layerwise_acceptance(src, token_ids=ids, exact=True)
-    assert a.head_source == "sidecar"
+    assert a.head_source == "in-model"
     assert (a.backbone_next, a.head_next) == (b.backbone_next, b.head_next)
 
 
@@ -184,9 +178,8 @@ def test_no_head_is_an_error(tmp_path):
 
 def _swap_fc_halves(w):
     """The head's concat order reversed ([hidden, embedding] instead of [embedding, hidden])."""
-    k = "language_model.mtp.fc.weight"
-    h = w[k].shape[1] // 2
-    return dict(w, **{k: mx.concatenate([w[k][:, h:], w[k][:, :h]], axis=1)})
+    return {k: (mx.concatenate([v[:, v.shape[1] // 2:], v[:, :v.shape[1] // 2]], axis=1)
+                if k.endswith("mtp.fc.weight") else v) for k, v in w.items()}
 
 
 _NORMS = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight", "mtp.norm.weight",
@@ -199,7 +192,7 @@ def _unshift_all_norms(w):
 
 
 def _unshift_head_norms(w):
-    return {k: (v - 1 if k.startswith("language_model.mtp.") and k.endswith("norm.weight") else v)
+    return {k: (v - 1 if k.startswith(("mtp.", "language_model.mtp.")) and k.endswith("norm.weight") else v)
             for k, v in w.items()}
 
 

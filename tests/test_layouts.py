@@ -48,11 +48,11 @@ def test_published_layout_plans_cleanly(name):
     assert all(k.startswith("model.visual.") for k in dropped)
     assert plan.raw and plan.mtp_layers == 1
     names = {it.name for it in plan.items}
-    assert "language_model.mtp.fc.weight" in names
+    assert "mtp.fc.weight" in names
     spec = plan.spec
     assert ("language_model.lm_head.weight" in names) == (not spec.tie_word_embeddings)
     if spec.is_moe:
-        assert "language_model.mtp.layers.0.mlp.switch_mlp.gate_proj.weight" in names
+        assert "mtp.layers.0.mlp.switch_mlp.gate_proj.weight" in names
         assert not any(".experts." in n for n in names)
     # A_log: F32 in Qwen3.5, BF16 in Qwen3.6 - always float32 out
     a_log = next(it for it in plan.items if it.name.endswith("layers.0.linear_attn.A_log"))
@@ -65,5 +65,5 @@ def test_qwen35_shard_names_and_fused_backbone():
     plan = build_plan(ckpt)
     items = {it.name: it for it in plan.items}
     assert items["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"].gather == "gate_half"
-    assert items["language_model.mtp.layers.0.mlp.switch_mlp.gate_proj.weight"].gather == "stack"
-    assert items["language_model.mtp.layers.0.mlp.switch_mlp.gate_proj.weight"].slot.shape == (256, 512, 2048)
+    assert items["mtp.layers.0.mlp.switch_mlp.gate_proj.weight"].gather == "stack"
+    assert items["mtp.layers.0.mlp.switch_mlp.gate_proj.weight"].slot.shape == (256, 512, 2048)

@@ -10,9 +10,12 @@ from mtpconvert.io.reader import read_all
 
 
 def load_out(folder):
+    """Every output tensor under its canonical name (the sidecar's mtp.X is language_model.mtp.X)."""
     out = {}
     for f in sorted(folder.glob("model-*.safetensors")):
         out.update(read_all(f))
+    if (folder / "mtp.safetensors").exists():
+        out.update({"language_model." + k: v for k, v in read_all(folder / "mtp.safetensors").items()})
     return out
 
 
@@ -53,16 +56,17 @@ def head_mismatches(built, folder, stored_bf16: bool):
     return bad
 
 
+@pytest.mark.parametrize("mtp_layout", ["sidecar", "in-model"])
 @pytest.mark.parametrize("layout", ["moe-published35", "moe-fused", "moe-per-expert", "dense-vlm"])
-def test_mtp_tensors_exact(layout, raw_checkpoints, tmp_path):
+def test_mtp_tensors_exact(layout, mtp_layout, raw_checkpoints, tmp_path):
     built = raw_checkpoints(layout)
-    convert_folder(built.path, tmp_path / "o", dtype="float32")
+    convert_folder(built.path, tmp_path / "o", dtype="float32", mtp_layout=mtp_layout)
     assert head_mismatches(built, tmp_path / "o", stored_bf16=layout == "moe-published35") == []
 
 
 def _reverse_head_experts(plan):
     for it in plan.items:
-        if it.name.startswith("language_model.mtp.") and it.gather == "stack":
+        if it.name.startswith("mtp.") and it.gather == "stack":
             it.sources = tuple(reversed(it.sources))
 
 

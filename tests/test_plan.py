@@ -39,7 +39,7 @@ def test_shift_only_on_zero_centred_norms(raw_checkpoints):
     assert items["language_model.model.layers.0.linear_attn.A_log"].dtype == "float32"
     assert ConvAxis() in items["language_model.model.layers.0.linear_attn.conv1d.weight"].steps
     # every MTP norm (head and layer) is shifted
-    mtp_norms = [n for n, it in items.items() if ".mtp." in n and ShiftNorm() in it.steps]
+    mtp_norms = [n for n, it in items.items() if n.startswith("mtp.") and ShiftNorm() in it.steps]
     assert len(mtp_norms) == 3 + 4
 
 
@@ -50,7 +50,7 @@ def test_experts_stacked_from_every_layout(raw_checkpoints):
         assert gate.gather == gather and gate.slot.shape == (4, 64, 64)
         up = items["language_model.model.layers.0.mlp.switch_mlp.up_proj.weight"]
         assert up.gather == ("stack" if gather == "stack" else "up_half")
-        mtp_gate = items["language_model.mtp.layers.0.mlp.switch_mlp.gate_proj.weight"]
+        mtp_gate = items["mtp.layers.0.mlp.switch_mlp.gate_proj.weight"]
         if layout == "moe-published35":  # fused backbone, per-expert MTP
             assert mtp_gate.gather == "stack"
             assert [s.key for s in mtp_gate.sources] == [
@@ -67,15 +67,15 @@ def test_quantization_rules(raw_checkpoints):
         router = "language_model.model.layers.0.mlp.gate"
         assert items[router + ".weight"].quant.bits == 8 and q[router]["bits"] == 8
         assert q["language_model.model.layers.0.mlp.shared_expert_gate"]["bits"] == 8
-        assert items["language_model.mtp.fc.weight"].quant is None
-        assert q["language_model.mtp.fc"] is False
-        mtp_proj = items["language_model.mtp.layers.0.self_attn.q_proj.weight"]
+        assert items["mtp.fc.weight"].quant is None
+        assert q["mtp.fc"] is False
+        mtp_proj = items["mtp.layers.0.self_attn.q_proj.weight"]
         if policy == "keep":
-            assert mtp_proj.quant is None and q["language_model.mtp.layers.0.self_attn.q_proj"] is False
+            assert mtp_proj.quant is None and q["mtp.layers.0.self_attn.q_proj"] is False
         elif policy == "match":
-            assert mtp_proj.quant.bits == 4 and "language_model.mtp.layers.0.self_attn.q_proj" not in q
+            assert mtp_proj.quant.bits == 4 and "mtp.layers.0.self_attn.q_proj" not in q
         else:
-            assert mtp_proj.quant.bits == 8 and q["language_model.mtp.layers.0.self_attn.q_proj"]["bits"] == 8
+            assert mtp_proj.quant.bits == 8 and q["mtp.layers.0.self_attn.q_proj"]["bits"] == 8
         assert plan.config["quantization_config"] == q
 
 
@@ -101,7 +101,9 @@ def test_plan_orders_by_source_shard_and_shards_output(raw_checkpoints):
     plan = build_plan(ckpt, ConvertOptions(max_shard_bytes=64 << 10))
     last = [max(ckpt.shards.index(s.file) for s in it.sources) for it in plan.items]
     assert last == sorted(last)
-    assert len(plan.shards) > 1 and all(re.match(r"model-\d{5}-of-\d{5}\.safetensors", s) for s in plan.shards)
+    assert len(plan.model_shards) > 1
+    assert all(re.match(r"model-\d{5}-of-\d{5}\.safetensors", s) for s in plan.model_shards)
+    assert set(plan.shards) - set(plan.model_shards) == {"mtp.safetensors"}
 
 
 def test_missing_mtp_under_config_claim(raw_checkpoints, tmp_path):

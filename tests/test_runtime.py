@@ -19,7 +19,7 @@ from mtpconvert.runtime.speculative import backbone_forward, mtp_generate, plain
 
 def _convert(out, mtp_shift=True, **quant):
     # without the head's shift: a broken head that still runs, so rollback is exercised
-    edit = None if mtp_shift else without_shift("language_model.mtp.")
+    edit = None if mtp_shift else without_shift("mtp.")
     convert_folder(fixture_path("dense"), out, edit=edit, dtype="bfloat16", **quant)
     return out
 

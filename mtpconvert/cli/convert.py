@@ -67,6 +67,7 @@ def convert(
     mtp_bits: o.MtpBits = None,
     keep_vision: o.KeepVision = False,
     max_shard_gb: o.MaxShardSize = o.DEFAULTS["max_shard_gb"],
+    mtp_layout: o.MtpLayout = o.DEFAULTS["mtp_layout"],
     dry_run: o.DryRun = False,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: the plan as JSON on stdout.")] = False,
     overwrite: o.Overwrite = False,
@@ -77,7 +78,8 @@ def convert(
 ):
     """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
     options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
-                                mtp_bits=mtp_bits, keep_vision=keep_vision, max_shard_gb=max_shard_gb)
+                                mtp_bits=mtp_bits, keep_vision=keep_vision, max_shard_gb=max_shard_gb,
+                                mtp_layout=mtp_layout)
     if dry_run:
         plan = api.plan(source, options)
         if as_json:
@@ -109,6 +111,7 @@ def pull_and_quantize(
     mtp_bits: o.MtpBits = None,
     keep_vision: o.KeepVision = False,
     max_shard_gb: o.MaxShardSize = o.DEFAULTS["max_shard_gb"],
+    mtp_layout: o.MtpLayout = o.DEFAULTS["mtp_layout"],
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="huggingface_hub cache (default: HF_HOME).",
                                                       show_default=False)] = None,
     local_dir: Annotated[Optional[Path], typer.Option("--local-dir", help="Download into this folder instead of "
@@ -130,7 +133,8 @@ def pull_and_quantize(
 ):
     """Download only what conversion needs, convert, quantize, verify, smoke-test; optionally upload."""
     options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
-                                mtp_bits=mtp_bits, keep_vision=keep_vision, max_shard_gb=max_shard_gb)
+                                mtp_bits=mtp_bits, keep_vision=keep_vision, max_shard_gb=max_shard_gb,
+                                mtp_layout=mtp_layout)
     if dry_run:
         with console.status(f"resolving {repo_id}"):
             pull = api.pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir,

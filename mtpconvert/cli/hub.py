@@ -55,6 +55,7 @@ def add_mtp(
     mtp: Annotated[o.MtpPolicy, typer.Option("--mtp", help="keep (float) or match the folder's quantization.")]
     = o.DEFAULTS["mtp"],
     mtp_bits: o.MtpBits = None,
+    mtp_layout: o.MtpLayout = o.DEFAULTS["mtp_layout"],
     token: o.Token = None,
     no_smoke: o.NoSmoke = False,
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
@@ -62,7 +63,7 @@ def add_mtp(
     """Graft the MTP head onto an existing MLX folder (from the Hub, reading only the mtp.* byte ranges)."""
     with rich_events(console) as events:
         info = api.add_mtp(source_repo, mlx_dir, revision=revision, mtp=mtp.value, mtp_bits=mtp_bits, token=token,
-                           checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance), events=events)
+                           mtp_layout=mtp_layout.value, checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance), events=events)
     if info["checks"].smoke is not None:
         from .check import print_smoke
 

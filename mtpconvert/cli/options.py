@@ -8,11 +8,12 @@ from typing import Annotated, List, Optional
 import typer
 
 from ..checks import DEFAULT_MIN_ACCEPTANCE
-from ..options import FLOAT_DTYPES, MODES, MTP_POLICIES, ConvertOptions, QuantOptions
+from ..options import FLOAT_DTYPES, MODES, MTP_LAYOUTS, MTP_POLICIES, ConvertOptions, QuantOptions
 
 DType = Enum("DType", {d: d for d in FLOAT_DTYPES}, type=str)
 QMode = Enum("QMode", {m: m for m in MODES}, type=str)
 MtpPolicy = Enum("MtpPolicy", {p: p for p in MTP_POLICIES if p != "bits"}, type=str)  # bits: via --mtp-bits
+MtpLayoutChoice = Enum("MtpLayoutChoice", {m: m for m in MTP_LAYOUTS}, type=str)
 Hidden = Enum("Hidden", {"post-norm": "post-norm", "pre-norm": "pre-norm"}, type=str)
 BenchHidden = Enum("BenchHidden", {"post-norm": "post-norm", "pre-norm": "pre-norm", "both": "both"}, type=str)
 
@@ -31,6 +32,9 @@ Mtp = Annotated[MtpPolicy, typer.Option("--mtp", help="MTP head: keep at --dtype
                                         "quantization, or drop.")]
 MtpBits = Annotated[Optional[int], typer.Option("--mtp-bits", help=f"Quantize the MTP head to N bits (affine: "
                                                 f"{_AFFINE}).", show_default=False)]
+MtpLayout = Annotated[MtpLayoutChoice, typer.Option(
+    "--mtp-layout", help="Where the head goes: sidecar (mtp.safetensors + mtp/; read by mlx-vlm, mtplx, rapid-mlx, "
+    "vllm-mlx, safe with every mlx-lm) or in-model (language_model.mtp.* in the shards; mlx-lm PR #990).")]
 KeepVision = Annotated[bool, typer.Option("--keep-vision", help="Keep the vision tower (mlx-vlm naming).")]
 MaxShardSize = Annotated[float, typer.Option("--max-shard-size", help="Largest output shard, in GB.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan and write nothing.")]
@@ -50,15 +54,18 @@ Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Pr
                                                       show_default=False)]
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
 
-DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, max_shard_gb=5.0, min_acceptance=DEFAULT_MIN_ACCEPTANCE)
+DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, mtp_layout=MtpLayoutChoice.sidecar, max_shard_gb=5.0,
+                min_acceptance=DEFAULT_MIN_ACCEPTANCE)
 
 
 def convert_options(*, dtype: Optional[DType], bits: Optional[int], group_size: Optional[int], q_mode: QMode,
-                    mtp: MtpPolicy, mtp_bits: Optional[int], keep_vision: bool, max_shard_gb: float) -> ConvertOptions:
+                    mtp: MtpPolicy, mtp_bits: Optional[int], keep_vision: bool, max_shard_gb: float,
+                    mtp_layout: MtpLayoutChoice = MtpLayoutChoice.sidecar) -> ConvertOptions:
     """The shared conversion options of `convert` and `pull-and-quantize`."""
     return ConvertOptions(
         dtype=dtype.value if dtype else None,
         quant=QuantOptions(bits, group_size, q_mode.value, mtp.value, mtp_bits),
         keep_vision=keep_vision,
         max_shard_bytes=int(max_shard_gb * (1 << 30)),
+        mtp_layout=mtp_layout.value,
     )

@@ -12,6 +12,7 @@ finish in.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from ..io.output_folder import OutputFolder, describe_os_error
 from ..io.reader import TensorReader
 from ..io.shard_writer import StreamingShardWriter
 from ..plan import Plan, PlanItem
+from ..plan.build import MTP_FILE, MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
 from .blocks import DEFAULT_BLOCK_BYTES, item_blocks
 from .pipeline import compute_streams, quantizer_pool, write_blocks
 from .resume import RESUME_DIR, plan_fingerprint, reusable
@@ -48,6 +50,8 @@ def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
     weight_map = {}
     total = 0
     for item in plan.items:
+        if item.shard == MTP_FILE:  # the sidecar is found by name, never through the index
+            continue
         for spec in item.outputs():
             weight_map[spec.key] = item.shard
             total += spec.nbytes
@@ -61,6 +65,7 @@ def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
             "dtype": plan.dtype,
             "mtp_policy": plan.options.quant.mtp,
             "mtp_layers": plan.mtp_layers,
+            "mtp_layout": plan.options.mtp_layout if plan.mtp_layers else None,
             **(extra_metadata or {}),
         },
     }
@@ -79,6 +84,31 @@ def source_users(plan: Plan, ckpt: Checkpoint) -> Dict[Path, Set[str]]:
         for f in item_files(item, ckpt):
             users.setdefault(f, set()).add(item.name)
     return users
+
+
+def shard_order(plan: Plan) -> Dict[str, List[PlanItem]]:
+    """Items by output shard, each shard taken when the plan reaches its last item: model
+    shards are runs of the plan, while the MTP sidecar gathers items from wherever the head
+    sits in the source (usually its last shards)."""
+    shards: Dict[str, List[PlanItem]] = {}
+    last: Dict[str, int] = {}
+    for i, item in enumerate(plan.items):
+        shards.setdefault(item.shard, []).append(item)
+        last[item.shard] = i
+    return {name: shards[name] for name in sorted(shards, key=last.__getitem__)}
+
+
+def link_head(folder: OutputFolder) -> None:
+    """vllm-mlx reads the head from mtp/weights.safetensors next to a manifest: the same bytes
+    as mtp.safetensors (a hard link; a relative symlink where links are not supported)."""
+    folder.path("mtp").mkdir(exist_ok=True)
+    link = folder.path(MTP_LINK)
+    link.unlink(missing_ok=True)
+    try:
+        os.link(folder.path(MTP_FILE), link)
+    except OSError:
+        link.symlink_to(Path("..") / MTP_FILE)
+    folder.write_json(MTP_MANIFEST, MTP_MANIFEST_BODY)
 
 
 def copy_sidecars(src: Path, out: OutputFolder, keep_vision: bool) -> List[str]:
@@ -114,9 +144,7 @@ def execute(
     their recorded sha256 still matches; everything else is rewritten. With ``stream``,
     source shards are fetched when first read and deleted after their last use.
     """
-    shards: Dict[str, List[PlanItem]] = {}
-    for item in plan.items:
-        shards.setdefault(item.shard, []).append(item)
+    shards = shard_order(plan)
     users = source_users(plan, ckpt)
 
     written = reused = 0
@@ -168,6 +196,8 @@ def execute(
         try:
             folder.write_json("model.safetensors.index.json", index_json(plan, extra_metadata), indent=2)
             folder.write_json("config.json", plan.config)
+            if MTP_FILE in shards:
+                link_head(folder)
             copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
         except OSError as e:
             raise describe_os_error(e, out) from e

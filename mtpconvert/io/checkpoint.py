@@ -15,6 +15,9 @@ from ..errors import ConfigError, LayoutError, SafetensorsError
 from .header import Header, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
+# A converted folder keeps its MTP head beside the index, in a file the index does not list
+# (see plan.build.MTP_FILE); config's mlx_lm_extra_tensors.mtp_file may name it.
+HEAD_SIDECAR = "mtp.safetensors"
 
 # Files copied next to the weights (tokenizer, chat template, generation defaults).
 SIDECAR_FILES = (
@@ -128,6 +131,20 @@ def list_shards(root: Path, index: Optional[dict]) -> List[str]:
     return names
 
 
+def head_sidecar(root: Path, config: dict, listed: List[str]) -> Optional[str]:
+    """The root MTP sidecar of a converted folder, when the index does not list it."""
+    extra = config.get("mlx_lm_extra_tensors")
+    named = extra.get("mtp_file") if isinstance(extra, dict) else None
+    name = named if isinstance(named, str) and named else HEAD_SIDECAR
+    if name in listed or not (root / name).is_file():
+        if named and not (root / name).is_file():
+            raise LayoutError(f"config.json names the MTP file {name!r} (mlx_lm_extra_tensors.mtp_file), "
+                              "which is missing", file=root / "config.json")
+        return None
+    safe_member(root, name, "MTP file", file=root / "config.json")
+    return name
+
+
 def open_checkpoint(root: Path) -> Checkpoint:
     """Read config, index and all shard headers of a local folder."""
     root = Path(root)
@@ -136,10 +153,13 @@ def open_checkpoint(root: Path) -> Checkpoint:
     config = load_json(root / "config.json", "config.json")
     index = load_json(root / INDEX_NAME, "index") if (root / INDEX_NAME).exists() else None
     shards = list_shards(root, index)
+    unindexed = []
+    if index is not None and (sidecar := head_sidecar(root, config, shards)):
+        unindexed = [sidecar]
 
     headers: Dict[str, Header] = {}
     tensors: Dict[str, TensorInfo] = {}
-    for name in shards:
+    for name in shards + unindexed:
         header = read_header(root / name)
         headers[name] = header
         for key, info in header.tensors.items():
@@ -172,7 +192,7 @@ def open_checkpoint(root: Path) -> Checkpoint:
                     code="index-mismatch",
                 )
         for key, info in tensors.items():
-            if key not in index_map:
+            if key not in index_map and info.file.name not in unindexed:
                 raise LayoutError(
                     "shard holds a tensor the index does not list", file=info.file, key=key,
                     code="index-mismatch",
@@ -180,7 +200,7 @@ def open_checkpoint(root: Path) -> Checkpoint:
     return Checkpoint(
         root=root,
         config=config,
-        shards=shards,
+        shards=shards + unindexed,
         headers=headers,
         tensors=tensors,
         index_map=index_map,

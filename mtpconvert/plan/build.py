@@ -8,6 +8,7 @@ executor does nothing the plan does not name.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
 from collections import defaultdict
@@ -20,13 +21,23 @@ from ..io.checkpoint import Checkpoint
 from ..io.header import dtype_itemsize
 from ..io.shard_writer import TensorSpec
 from ..model.keys import MLX, QUANT_AUX, RAW_VLM, Gather, Mapped, contributions, key_style, source_name
-from ..model.slots import A_LOG, CONV, LM, NORM, SWITCH, VISION, Slot, expected_slots
+from ..model.slots import A_LOG, CONV, LINEAR, LM, MTP, NORM, SWITCH, VISION, Slot, expected_slots
 from ..model.spec import ModelSpec, model_spec, text_config
-from ..options import FLOAT_DTYPES, ConvertOptions
+from ..options import FLOAT_DTYPES, MTP_LAYOUTS, ConvertOptions
 from .quant import QuantSpec, decide, quantization_block
 from .steps import Cast, ConvAxis, Quantize, ShiftNorm, Step, gather_step
 
 MTP_LAYER = re.compile(r"^language_model\.mtp\.layers\.(\d+)\.")
+
+# The sidecar layout (options.MTP_LAYOUTS): the head in its own root file under mtp.* names,
+# the same bytes linked where vllm-mlx looks, and the manifest vllm-mlx reads to take the
+# norms as stored. Never named model*.safetensors: mlx-lm 0.30.7-0.31.x loads that glob and
+# shifts every backbone norm again when any of its keys contains "mtp.".
+MTP_FILE = "mtp.safetensors"
+MTP_LINK = "mtp/weights.safetensors"
+MTP_MANIFEST = "mtp/manifest.json"
+MTP_MANIFEST_BODY = {"artifact_schema_version": 1, "rmsnorm_weight_format": "mlx_gamma"}
+SIDECAR_PREFIX = "mtp."
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,15 @@ class Plan:
             out[item.slot.group].append(item)
         return dict(out)
 
+    @property
+    def head_items(self) -> List[PlanItem]:
+        return [it for it in self.items if it.slot.group == MTP]
+
+    @property
+    def model_shards(self) -> List[str]:
+        """The shards the index lists (everything but the MTP sidecar)."""
+        return [s for s in self.shards if s != MTP_FILE]
+
     def source_files(self) -> List[str]:
         return sorted({s.file for it in self.items for s in it.sources})
 
@@ -109,6 +129,7 @@ class Plan:
             "dtype": self.dtype,
             "mtp_layers": self.mtp_layers,
             "mtp_policy": self.options.quant.mtp,
+            "mtp_layout": self.options.mtp_layout if self.mtp_layers else None,
             "quantization": self.config.get("quantization"),
             "shards": self.shards,
             "dropped": [{"key": k, "reason": r} for k, r in self.dropped],
@@ -258,6 +279,8 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     if dtype not in FLOAT_DTYPES:
         raise OptionsError(f"--dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
 
+    if opts.mtp_layout not in MTP_LAYOUTS:
+        raise OptionsError(f"--mtp-layout must be one of {MTP_LAYOUTS}, got {opts.mtp_layout!r}")
     if opts.max_shard_bytes <= 0:
         raise OptionsError(f"--max-shard-size must be > 0 GB, got {opts.max_shard_bytes / (1 << 30):g}")
     style = detect_style(ckpt.tensors)
@@ -320,7 +343,6 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         )
 
     items: List[PlanItem] = []
-    decisions = {}
     for name, slot in slots.items():
         cs = contribs[name]
         if slot.kind == SWITCH:
@@ -341,7 +363,6 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
                 raise LayoutError(f"expected a floating-point tensor, found {s.dtype}",
                                   file=ckpt.tensors[s.key].file, key=s.key)
         q = decide(slot, quant)
-        decisions[slot] = q
         items.append(PlanItem(slot, sources, gather, _steps(slot, gather, raw, dtype, q), _out_dtype(slot, dtype), q))
 
     if opts.keep_vision and not vision:
@@ -358,6 +379,13 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         slot = Slot(m.vision, tuple(shape), "vision", VISION)
         items.append(PlanItem(slot, (_ref(ckpt, m.source),), gather, _steps(slot, gather, raw, dtype, None), dtype, None))
 
+    # quantization entries name modules as the loader builds them: the sidecar head's as mtp.X,
+    # an in-model head's by its stacked switch_mlp module, whatever form its experts are stored in
+    sidecar = n_mtp and opts.mtp_layout == "sidecar"
+    decisions = {(_sidecar_slot(it.slot) if sidecar and it.slot.group == MTP else it.slot): it.quant
+                 for it in items if it.slot.group != VISION}
+    if n_mtp:
+        items = place_head(items, opts.mtp_layout, spec.num_experts)
     _order_and_shard(ckpt, items, opts.max_shard_bytes)
     plan = Plan(
         source=ckpt.root,
@@ -365,7 +393,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         style=style,
         raw=raw,
         dtype=dtype,
-        options=ConvertOptions(dtype, quant, opts.keep_vision, opts.max_shard_bytes),
+        options=dataclasses.replace(opts, dtype=dtype, quant=quant),
         items=items,
         dropped=dropped,
         mtp_layers=n_mtp,
@@ -373,7 +401,65 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         shards=sorted({it.shard for it in items}),
     )
     plan.config = output_config(ckpt.config, spec, n_mtp, quantization_block(decisions, quant), opts.keep_vision)
+    if sidecar:
+        tc = plan.config.get("text_config", plan.config)
+        # read by mtplx (mtp_file) and vllm-mlx (hidden state mode); the head drafts from the
+        # post-final-norm hidden state, as it was trained
+        plan.config["mlx_lm_extra_tensors"] = {"mtp_file": MTP_FILE,
+                                               "mtp_tensor_count": sum(len(it.outputs()) for it in plan.head_items)}
+        tc["mtp_hidden_state_mode"] = "post_norm"
     return plan
+
+
+def place_head(items: List[PlanItem], layout: str, num_experts: int) -> List[PlanItem]:
+    """Name the head's items for ``layout``.
+
+    sidecar: ``language_model.mtp.X`` -> ``mtp.X`` in ``mtp.safetensors`` (what mlx-vlm, mtplx,
+    rapid-mlx and vllm-mlx read). in-model: the names stay; a float MoE head is written in the
+    raw per-expert form (one ``experts.{e}.{proj}.weight`` per expert), the only expert form the
+    mlx-lm PR #990 branch stacks itself -- it raises on a stacked ``switch_mlp`` head.
+    """
+    out: List[PlanItem] = []
+    for it in items:
+        if it.slot.group != MTP:
+            out.append(it)
+        elif layout == "sidecar":
+            out.append(dataclasses.replace(it, slot=_sidecar_slot(it.slot), shard=MTP_FILE))
+        elif it.slot.kind == SWITCH and it.quant is None:
+            out.extend(_raw_experts(it, num_experts))
+        else:
+            out.append(it)
+    return out
+
+
+def _sidecar_slot(slot: Slot) -> Slot:
+    return dataclasses.replace(slot, name=SIDECAR_PREFIX + slot.name[len(LM + "mtp."):])
+
+
+def _raw_experts(item: PlanItem, num_experts: int) -> List[PlanItem]:
+    """A float expert stack of the head in the source's raw form: per expert when the source is
+    per expert, the fused ``experts.gate_up_proj`` / ``experts.down_proj`` when it is fused (the
+    up half is dropped: the gate half's item writes the whole fused tensor). An MLX stack stays."""
+    mlp = item.slot.name.rsplit(".switch_mlp.", 1)[0]
+    (src, *_) = item.sources
+    if item.gather is Gather.STACK:
+        return _per_expert(item, num_experts)
+    if item.gather is Gather.UP_HALF:
+        return []
+    if item.gather is Gather.GATE_HALF or ".experts.down_proj" in src.key:
+        name = f"{mlp}.experts.{'gate_up_proj' if item.gather is Gather.GATE_HALF else 'down_proj'}"
+        steps = tuple(s for s in item.steps if s != gather_step(item.gather))
+        return [PlanItem(Slot(name, src.shape, LINEAR, MTP), (src,), Gather.LOAD, steps, item.dtype, None)]
+    return [item]
+
+
+def _per_expert(item: PlanItem, num_experts: int) -> List[PlanItem]:
+    """A float stacked-expert item whose sources are per expert -> one item per expert."""
+    mlp, proj = item.slot.name.rsplit(".switch_mlp.", 1)
+    steps = tuple(s for s in item.steps if gather_step(Gather.STACK) != s)
+    return [PlanItem(Slot(f"{mlp}.experts.{e}.{proj}", item.slot.shape[1:], LINEAR, MTP),
+                     (item.sources[e],), Gather.LOAD, steps, item.dtype, None)
+            for e in range(num_experts)]
 
 
 def _out_dtype(slot: Slot, dtype: str) -> str:
@@ -407,6 +493,8 @@ def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) ->
     groups: List[List[PlanItem]] = [[]]
     size = 0
     for item in items:
+        if item.shard == MTP_FILE:
+            continue
         b = item.out_bytes
         if groups[-1] and size + b > max_bytes:
             groups.append([])
@@ -422,10 +510,12 @@ def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) ->
 def output_config(config: dict, spec: ModelSpec, mtp_layers: int, quantization, keep_vision: bool) -> dict:
     """config.json for the output: loadable by stock mlx-lm, honest about MTP and quantization."""
     out = copy.deepcopy(config)
-    for k in ("quantization", "quantization_config"):
+    # a converted source's head placement is re-decided by this conversion's layout
+    for k in ("quantization", "quantization_config", "mlx_lm_extra_tensors"):
         out.pop(k, None)
     tc = out["text_config"] if "text_config" in out else out
     tc.pop("quantization_config", None)
+    tc.pop("mtp_hidden_state_mode", None)
     tc["mtp_num_hidden_layers"] = mtp_layers
     tc["tie_word_embeddings"] = spec.tie_word_embeddings
     if "text_config" in out:

@@ -45,7 +45,6 @@ same). See docs/smoke.md for measured memory and time.
 from __future__ import annotations
 
 import gc
-import glob
 import json
 import os
 import resource
@@ -61,15 +60,13 @@ import numpy as np
 from mlx.utils import tree_map
 
 from ..errors import LayoutError
-from ..io.header import Header, TensorInfo, read_header
+from ..io.header import TensorInfo, read_header
 from ..io.reader import TensorReader
-from .mtp import MTPHead
+from .locate import HEAD_PREFIXES, SIDECAR, HeadTensors, locate_mtp, shard_files
+from .mtp import MTPHead, stack_experts
 from .smoke import DEFAULT_MIN_ACCEPTANCE
 
 # Root sidecar first (the layout the converter is moving to), then in-model keys.
-SIDECAR = "mtp.safetensors"
-HEAD_PREFIXES = ("mtp.", "language_model.mtp.")
-IN_MODEL_PREFIX = "language_model.mtp."
 
 # Written for this check (not from any corpus): plain prose, code and a list, so that a head is
 # scored on the kinds of text it will draft for. Each prompt is cut to ``max_prompt_tokens``.
@@ -99,44 +96,6 @@ DEFAULT_VOCAB_BLOCK_BYTES = 128 << 20
 # where the head lives
 
 
-@dataclass
-class HeadTensors:
-    """The MTP head's tensors: ``tensors`` maps the head-local name (``fc.weight``,
-    ``layers.0.self_attn.q_proj.scales``...) to where it is stored."""
-
-    source: str  # "sidecar" | "in-model"
-    prefix: str  # key prefix inside the files
-    tensors: Dict[str, TensorInfo]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-
-def locate_mtp(path: Path, headers: Optional[Sequence[Header]] = None) -> Optional[HeadTensors]:
-    """Find the MTP head of a converted folder: ``mtp.safetensors`` at the root (``mtp.*`` keys,
-    or ``language_model.mtp.*``), else ``language_model.mtp.*`` inside ``model*.safetensors``.
-    Headers only; None when there is no head."""
-    path = Path(path)
-    sidecar = path / SIDECAR
-    if sidecar.is_file():
-        header = read_header(sidecar)
-        for prefix in HEAD_PREFIXES:
-            found = {k[len(prefix):]: t for k, t in header.tensors.items() if k.startswith(prefix)}
-            if found:
-                return HeadTensors("sidecar", prefix, found)
-    headers = headers if headers is not None else [read_header(Path(f)) for f in _shard_files(path)]
-    found = {}
-    for header in headers:
-        found.update({k[len(IN_MODEL_PREFIX):]: t for k, t in header.tensors.items()
-                      if k.startswith(IN_MODEL_PREFIX)})
-    return HeadTensors("in-model", IN_MODEL_PREFIX, found) if found else None
-
-
-def _shard_files(path: Path) -> List[str]:
-    return sorted(glob.glob(str(Path(path) / "model*.safetensors")))  # what mlx_lm's load_model reads
-
-
 # --------------------------------------------------------------------------------------------
 # full or layerwise: a pure decision the caller feeds with measured numbers
 
@@ -144,7 +103,7 @@ def _shard_files(path: Path) -> List[str]:
 def folder_weight_bytes(path: Path) -> int:
     """Bytes of every weight file the full smoke would load (shards and the MTP sidecar)."""
     path = Path(path)
-    files = _shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
+    files = shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
     return sum(os.path.getsize(f) for f in files)
 
 
@@ -155,7 +114,7 @@ def stored_bytes_by_unit(path: Path) -> Dict[str, int]:
     import re
 
     path = Path(path)
-    files = _shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
+    files = shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
     units: Dict[str, int] = {}
     for f in files:
         for k, t in read_header(Path(f)).tensors.items():
@@ -449,7 +408,7 @@ class _Folder:
         if not (self.path / "config.json").is_file():
             raise LayoutError("not a converted model folder: no config.json", file=self.path)
         self.config = load_config(self.path)
-        files = _shard_files(self.path)
+        files = shard_files(self.path)
         if not files:
             raise LayoutError("no model*.safetensors in the folder", file=self.path)
         self.headers = [read_header(Path(f)) for f in files]
@@ -614,6 +573,7 @@ def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
             if full in lazy and head_tensors.tensors[k].file == f:
                 weights[k] = lazy[full]
         del lazy
+    weights = stack_experts(weights)
     head = MTPHead(folder.args, 1)
     prefixes = (head_tensors.prefix,) + tuple(p for p in HEAD_PREFIXES if p != head_tensors.prefix)
     _quantize(head, prefixes, folder.quant, {head_tensors.prefix + k: v for k, v in weights.items()})

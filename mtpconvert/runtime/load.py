@@ -2,12 +2,13 @@
 
 The backbone comes from ``mlx_lm.utils.load_model`` unchanged (it drops ``mtp.*``);
 the head is built from mlx-lm's layers, quantized exactly as config.json says, and
-filled from the ``language_model.mtp.*`` tensors.
+filled from wherever the folder keeps it: the ``mtp.safetensors`` sidecar or
+``language_model.mtp.*`` inside the shards (experts stacked, per expert or fused).
 """
 
 from __future__ import annotations
 
-import glob
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -18,9 +19,10 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config, load_model
 
 from ..errors import LayoutError
-from .mtp import MTPHead
+from .locate import locate_mtp
+from .mtp import MTPHead, stack_experts
 
-PREFIX = "language_model.mtp."
+QUANT_PREFIXES = ("mtp.", "language_model.mtp.")  # how config.json may name a head module
 
 
 @dataclass
@@ -43,12 +45,18 @@ class MTPModel:
 
 
 def _mtp_weights(path: Path) -> Dict[str, mx.array]:
+    """The head's tensors by head-local name (``fc.weight``, ``layers.0...``), experts stacked."""
+    located = locate_mtp(path)
+    if located is None:
+        return {}
+    by_file = defaultdict(list)
+    for name, info in located.tensors.items():
+        by_file[info.file].append(name)
     weights = {}
-    for f in sorted(glob.glob(str(path / "model*.safetensors"))):
-        for k, v in mx.load(f).items():
-            if k.startswith(PREFIX):
-                weights[k[len(PREFIX):]] = v
-    return weights
+    for file, names in by_file.items():
+        stored = mx.load(str(file))
+        weights.update({n: stored[located.prefix + n] for n in names})
+    return stack_experts(weights)
 
 
 def float32_experts_on_cpu(module: nn.Module) -> int:
@@ -94,7 +102,8 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
     weights = _mtp_weights(path)
     if n == 0 or not weights:
         raise LayoutError(
-            "no MTP head: " + ("config says mtp_num_hidden_layers=0" if n == 0 else "no language_model.mtp.* tensors"),
+            "no MTP head: " + ("config says mtp_num_hidden_layers=0" if n == 0
+                               else "no mtp.safetensors and no language_model.mtp.* tensors"),
             file=path,
             hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
         )
@@ -102,9 +111,9 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
     quant: Optional[dict] = config.get("quantization")
     if quant:
         def predicate(p, m):
-            entry = quant.get(PREFIX + p)
-            if entry is not None:
-                return entry
+            for prefix in QUANT_PREFIXES:
+                if (entry := quant.get(prefix + p)) is not None:
+                    return entry
             if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:
                 return False
             return infer_quant_config(p, m, weights)

@@ -9,13 +9,17 @@ With several MTP layers, draft step k uses layer k mod n (vLLM's convention).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from collections import defaultdict
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+from ..execute.ops import gather
+from ..model.keys import Gather, contributions
 
 
 class MTPHead(nn.Module):
@@ -53,3 +57,24 @@ class MTPHead(nn.Module):
         mask = create_attention_mask(h, c)
         h = self.layers[idx](h, mask=mask, cache=c)
         return self.norm(h)
+
+
+def stack_experts(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """Per-expert or fused expert weights -> the stacked ``switch_mlp`` ones the head's MoE layer
+    holds, through the same mapping the plan uses (``model.keys.contributions``)."""
+    parts = defaultdict(list)
+    out = {}
+    for name, w in weights.items():
+        mapped = contributions("mtp." + name)
+        if len(mapped) == 1 and mapped[0].part is Gather.LOAD and mapped[0].target.endswith("mtp." + name):
+            out[name] = w
+            continue
+        for m in mapped:
+            parts[m.target[len("language_model.mtp."):]].append((m, w))
+    for name, contribs in parts.items():
+        if contribs[0][0].part is Gather.STACK:
+            out[name] = gather([w for _, w in sorted(contribs, key=lambda c: c[0].index)], Gather.STACK)
+        else:
+            ((m, w),) = contribs
+            out[name] = gather([w], m.part)
+    return out
