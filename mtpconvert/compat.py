@@ -136,6 +136,14 @@ def check_folder(path: Path) -> CompatReport:
     return compat(read_folder(path))
 
 
+def runtime_table(path: Path) -> Optional[CompatReport]:
+    """``check_folder``, or None where the folder cannot be read (verify reports why on its own)."""
+    try:
+        return check_folder(Path(path))
+    except (OSError, ValueError):
+        return None
+
+
 # --------------------------------------------------------------------------- folder facts
 
 NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
