@@ -239,10 +239,18 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
 
 
 def verify(path: PathLike, deep: bool = False):
-    """Check any folder (raw HF, ours, another MLX conversion) from its headers; see ``verify.Report``."""
+    """Check any folder (raw HF, ours, another MLX conversion) from its headers; see ``verify.Report``
+    (``.runtimes``: the MTP runtime compatibility table)."""
     from .verify import verify as run
 
     return run(Path(path), deep=deep)
+
+
+def runtimes(path: PathLike):
+    """Which MTP runtimes can load the folder and use its head, from headers alone; see ``compat.CompatReport``."""
+    from .compat import check_folder
+
+    return check_folder(Path(path))
 
 
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,

@@ -58,6 +58,8 @@ class Report:
     quantization: Dict[str, Dict[str, int]] = field(default_factory=dict)  # group -> spec -> count
     dtypes: Dict[str, Dict[str, int]] = field(default_factory=dict)
     findings: List[Finding] = field(default_factory=list)
+    mtp_layout: str = "unknown"  # compat.layout_of: sidecar | in-model | drafter | none | mixed:...
+    runtimes: list = field(default_factory=list)  # compat.RuntimeCompat per MTP runtime
 
     @property
     def ok(self) -> bool:
@@ -99,7 +101,17 @@ def verify(path: Path, deep: bool = False) -> Report:
     _check_config(ckpt, spec, report)
     if deep:
         _check_finite(ckpt, report)
+    _add_runtime_table(Path(path), report)
     return report
+
+
+def _add_runtime_table(path: Path, report: Report) -> None:
+    """Which MTP runtimes can use the folder (headers only); informational, never a finding."""
+    from .compat import runtime_table
+
+    table = runtime_table(path)
+    if table is not None:
+        report.mtp_layout, report.runtimes = table.layout, table.runtimes
 
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")

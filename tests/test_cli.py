@@ -151,3 +151,63 @@ def test_add_mtp_on_a_stock_mlx_lm_folder_from_a_local_source(tmp_path):
     assert result.exit_code == 0, result.output
     assert "pass" in result.output and "added" in result.output
     assert verify(folder).ok and verify(folder).mtp_complete
+
+
+def test_convert_prints_the_runtime_table_and_verify_reports_it(tmp_path):
+    from mtpconvert.compat import RUNTIMES
+
+    out = tmp_path / "match"
+    result = runner.invoke(app, ["convert", str(fixture_path("dense")), str(out), "--bits", "4", "--group-size", "32",
+                                 "--mtp", "match", "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    assert "MTP runtimes" in result.output
+    for rt in RUNTIMES:
+        assert rt in result.output, rt
+    table = api_runtimes(out)
+    for r in table.runtimes:  # one warning per runtime refused because of the head's precision
+        assert (f"--mtp match: {r.runtime} cannot use this head" in result.output) is (r.head_usable.cause == "precision"
+                                                                                     or r.backbone_exact.cause
+                                                                                     == "precision")
+    result = runner.invoke(app, ["verify", str(out), "--json"])
+    report = json.loads(result.stdout)
+    assert [r["runtime"] for r in report["runtimes"]] == list(RUNTIMES)
+    assert report["mtp_layout"] == table.layout
+    for r in report["runtimes"]:
+        assert set(r) >= {"runtime", "versions", "backbone_exact", "head_usable"}
+        assert set(r["backbone_exact"]) >= {"ok", "reason"} and set(r["head_usable"]) >= {"ok", "reason"}
+    result = runner.invoke(app, ["verify", str(out)])
+    assert "MTP runtimes" in result.stdout and "mlx-lm-pr990" in result.stdout and "exact?" in result.stdout
+
+
+def api_runtimes(path):
+    from mtpconvert import api
+
+    return api.runtimes(path)
+
+
+def test_convert_warns_for_each_runtime_the_mtp_precision_shuts_out(tmp_path, monkeypatch):
+    """On the default layout with a --mtp match head (fc float): rapid-mlx refuses, the others take it."""
+    from io import StringIO
+    from types import SimpleNamespace
+
+    from rich.console import Console
+    from test_compat import Q4, default_layout
+
+    from mtpconvert.cli import convert as convert_cli
+    from mtpconvert.options import QuantOptions
+
+    def printed(folder, quant):
+        buf = StringIO()
+        monkeypatch.setattr(convert_cli, "console", Console(file=buf, width=200))
+        convert_cli.print_runtimes(SimpleNamespace(out=folder, plan=SimpleNamespace(options=SimpleNamespace(
+            quant=quant))))
+        return buf.getvalue()
+
+    match = printed(default_layout(tmp_path, "match", bits=4, quant=Q4), QuantOptions(bits=4, mtp="match"))
+    warnings = [ln for ln in match.splitlines() if ln.startswith("warning")]
+    assert len(warnings) == 1 and "--mtp match: rapid-mlx cannot use this head" in warnings[0]
+    assert "float fc" in warnings[0] and "rapid-mlx" in match and "vllm-mlx" in match
+    keep = printed(default_layout(tmp_path, "keep"), QuantOptions(bits=4))
+    assert "warning" not in keep and "mlx-lm-pr990" in keep
+    bits8 = printed(default_layout(tmp_path, "bits8", bits=8, quant=Q4), QuantOptions(bits=4, mtp_bits=8))
+    assert "--mtp-bits 8: vllm-mlx cannot use this head: ValueError: [dequantize]" in bits8

@@ -14,7 +14,7 @@ from .. import api
 from ..errors import OptionsError
 from . import options as o
 from .errors import handled
-from .render import bench_table, report_table
+from .render import bench_table, report_table, runtimes_table
 
 console = Console(stderr=True)
 out_console = Console()
@@ -57,12 +57,14 @@ def verify(
     deep: Annotated[bool, typer.Option("--deep", help="Also read every float tensor and report NaN/Inf by "
                                        "name.")] = False,
 ):
-    """Check a folder from its headers: layout, MTP, experts, norm shift, quantization, index."""
+    """Check a folder from its headers: layout, MTP, experts, norm shift, quantization, index, and which MTP
+    runtimes can load it and use its head."""
     report = api.verify(path, deep=deep)
     if as_json:
         out_console.print_json(json.dumps(report.to_json()))
     else:
         report_table(report, out_console)
+        runtimes_table(report.runtimes, report.mtp_layout, out_console)
     raise typer.Exit(0 if report.ok else 1)
 
 

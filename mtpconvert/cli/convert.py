@@ -8,14 +8,16 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .. import api
 from ..checks import Checks
+from ..compat import precision_warnings
 from ..errors import OptionsError
 from . import options as o
 from .errors import handled
 from .progress import rich_events
-from .render import human_bytes, plan_table
+from .render import human_bytes, plan_table, runtimes_table
 
 console = Console(stderr=True)
 out_console = Console()
@@ -52,6 +54,20 @@ def print_result(result: api.ConversionResult) -> None:
                   "tensors)")
     if result.peak_stream_bytes is not None:
         console.print(f"streamed: at most {human_bytes(result.peak_stream_bytes)} of raw shards on disk at once")
+    print_runtimes(result)
+
+
+def mtp_choice(quant) -> str:
+    """The option that set the head's precision, as the user typed it."""
+    return f"--mtp-bits {quant.mtp_bits}" if quant.mtp_bits is not None else f"--mtp {quant.mtp}"
+
+
+def print_runtimes(result: api.ConversionResult) -> None:
+    """Which MTP runtimes can use the output, and a warning where the chosen head precision is why not."""
+    table = api.runtimes(result.out)
+    runtimes_table(table.runtimes, table.layout, console)
+    for line in precision_warnings(table, mtp_choice(result.plan.options.quant)):
+        console.print(f"[yellow]warning[/yellow]: {escape(line)}", highlight=False)
 
 
 @handled

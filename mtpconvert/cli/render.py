@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import List
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..compat import RuntimeCompat, why
 from ..plan import Plan
 from ..verify import ERROR, Report
 
@@ -88,6 +90,26 @@ def report_table(report: Report, console: Console) -> None:
                       highlight=False)
     verdict = "[green]OK[/green]: loadable and MTP-consistent" if report.ok else "[red]FAILED[/red]"
     console.print(verdict)
+
+
+def _verdict_cell(ok, yes: str, no: str) -> str:
+    return "[dim]n/a[/dim]" if ok is None else f"[green]{yes}[/green]" if ok else f"[red]{no}[/red]"
+
+
+def runtimes_table(runtimes: List[RuntimeCompat], layout: str, console: Console) -> None:
+    """The MTP runtime compatibility table (compat.py, headers only): one row per runtime."""
+    if not runtimes:
+        return
+    table = Table(title=f"MTP runtimes (head layout: {layout}; from headers)")
+    table.add_column("runtime", no_wrap=True)
+    table.add_column("version", max_width=18, overflow="fold")
+    table.add_column("backbone\nexact?", no_wrap=True)
+    table.add_column("head\nusable?", no_wrap=True)
+    table.add_column("why", overflow="fold", ratio=1)
+    for r in runtimes:
+        table.add_row(r.runtime, r.versions, _verdict_cell(r.backbone_exact.ok, "yes", "no"),
+                      _verdict_cell(r.head_usable.ok, "yes", "no"), escape(why(r)))
+    console.print(table)
 
 
 def bench_table(result, console: Console) -> None:
