@@ -9,7 +9,8 @@ import pytest
 from checkpoints import tree_digest
 
 from mtpconvert.execute.blocks import _source_runs, item_blocks, quantized_in_numpy, rows
-from mtpconvert.execute import execute
+from mtpconvert.execute import execute, pipeline
+from mtpconvert.plan.steps import Gather
 from mtpconvert.options import ConvertOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.options import QuantOptions
@@ -54,6 +55,20 @@ def test_no_read_exceeds_a_block(raw_checkpoints, tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(TensorReader, "view_rows", spy)
+    real_direct = pipeline.direct_read
+
+    def spy_direct(block, ckpt):  # the reader threads' plain reads (MLX's blocks, gathered in place)
+        read = real_direct(block, ckpt)
+        if read is not None:
+            row_bytes = lambda info: info.nbytes // (info.shape[0] if info.shape else 1)  # noqa: E731
+            if block.item.gather is Gather.STACK:  # whole experts, as reader.read would
+                reads.extend((info.key, n, row_bytes(info)) for info, _, n in read.runs)
+            else:
+                info = read.runs[0][0]
+                reads.append((info.key, read.nbytes, row_bytes(info)))
+        return read
+
+    monkeypatch.setattr(pipeline, "direct_read", spy_direct)
     block = 4096
     execute(plan, ckpt, tmp_path / "out", block_bytes=block)
     assert reads and all(n <= max(block, row) for _, n, row in reads), [r for r in reads if r[1] > max(block, r[2])]

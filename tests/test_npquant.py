@@ -122,8 +122,17 @@ def numpy_pool(monkeypatch):
             made["mlx fallback"] += 1
         return real_produce(block, ckpt, reader)
 
+    real_direct = execute_mod.direct_read
+
+    def direct(block, ckpt):  # MLX's blocks whose source the reader threads read in place
+        read = real_direct(block, ckpt)
+        if read is not None and quantized_in_numpy(block.item):
+            made["mlx fallback"] += 1
+        return read
+
     monkeypatch.setattr(execute_mod, "numpy_outputs", outputs)
     monkeypatch.setattr(execute_mod, "produce_block", produce)
+    monkeypatch.setattr(execute_mod, "direct_read", direct)
     return made
 
 

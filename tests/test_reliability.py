@@ -111,10 +111,12 @@ def test_sigterm_on_a_real_process_leaves_nothing_at_out(raw_checkpoints, tmp_pa
     code = f"""
 import sys, time
 from mtpconvert.execute import pipeline as ex
-real = ex.produce_block
-def slow(*a, **k):
-    print("writing", flush=True); time.sleep(0.2); return real(*a, **k)
-ex.produce_block = slow
+def slowed(real):
+    def slow(*a, **k):
+        print("writing", flush=True); time.sleep(0.2); return real(*a, **k)
+    return slow
+ex.produce_block = slowed(ex.produce_block)  # blocks MLX gathers from the mapping
+ex.apply_steps = slowed(ex.apply_steps)  # blocks the reader threads read in place
 from mtpconvert.cli import run
 sys.exit(run(["convert", {str(src)!r}, {str(out)!r}, "--no-smoke"]))
 """
@@ -136,11 +138,11 @@ def test_disk_full_gives_clear_error_and_removes_temp(raw_checkpoints, tmp_path,
 
     real_write, calls = shard_writer.StreamingShardWriter.write, []
 
-    def full(self, key, arr, row=0):
+    def full(self, key, arr, row=0, **kw):
         calls.append(key)
         if len(calls) == 5:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(self, key, arr, row)
+        return real_write(self, key, arr, row, **kw)
 
     monkeypatch.setattr(shard_writer.StreamingShardWriter, "write", full)
     out = tmp_path / "out"

@@ -10,14 +10,15 @@ blocks, not the largest tensor, and blocks can be computed in parallel.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..io.checkpoint import Checkpoint
-from ..io.header import leading_rows
+from ..io.header import DTYPES, leading_rows
 from ..io.reader import TensorReader
 from ..io.shard_writer import BF16Bits
 from ..plan import PlanItem
@@ -25,7 +26,9 @@ from ..plan.steps import HALVES, Cast, Gather, Quantize, SplitGateUp, StackExper
 from . import npquant
 from .ops import apply_steps, gather
 
-DEFAULT_BLOCK_BYTES = 16 << 20  # measured: 8 MiB pays per-block overhead, 32+ MiB pays page faults (glibc mmaps big blocks)
+# measured: 8 MiB pays per-block overhead, 32+ MiB pays page faults (glibc mmaps big blocks);
+# MTPCONVERT_BLOCK_MB overrides it (benchmarks); the bytes written do not depend on it
+DEFAULT_BLOCK_BYTES = int(float(os.environ.get("MTPCONVERT_BLOCK_MB", "16")) * (1 << 20))
 
 
 @dataclass(frozen=True)
@@ -136,3 +139,38 @@ def numpy_outputs(block: Block, made: Tuple[np.ndarray, np.ndarray, np.ndarray])
         arr = arr.reshape((n, *spec.shape[1:]))
         out.append(arr.view(BF16Bits) if spec.dtype == "bfloat16" else arr)
     return out
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """A block's gathered source as byte runs of its files, in output row order: read
+    straight into one buffer, they make the gathered array (``shape``, ``dtype``) with no
+    copy out of a mapping and no gather op."""
+
+    runs: List[Tuple[object, int, int]]  # (TensorInfo read, byte offset in its file, bytes)
+    shape: Tuple[int, ...]
+    dtype: str  # safetensors dtype name
+    nbytes: int
+
+
+def direct_read(block: Block, ckpt: Checkpoint) -> Optional[DirectRead]:
+    """How to read ``block``'s gathered source in plain reads, or None where the gather needs
+    a copy (vision patch), the block is empty or a scalar, or the sources differ in dtype."""
+    item, a, b = block.item, block.start, block.stop
+    if item.gather not in NUMPY_GATHERS or b <= a or len({s.dtype for s in item.sources}) != 1:
+        return None
+    infos = ([ckpt.tensors[s.key] for s in item.sources[a:b]] if item.gather is Gather.STACK
+             else [ckpt.tensors[item.sources[0].key]])
+    if not infos[0].shape or infos[0].dtype not in DTYPES:
+        return None
+    runs = _source_runs(block, ckpt)
+    shapes = {shape for _, _, shape in runs}
+    if len(shapes) != 1:
+        return None
+    (run_shape,) = shapes
+    itemsize = DTYPES[infos[0].dtype][2]
+    run_bytes = math.prod(run_shape) * itemsize
+    shape = tuple(run_shape) if item.gather is Gather.LOAD else (b - a, *run_shape)
+    stacked = item.gather is Gather.STACK  # one run per expert, else runs of the one source tensor
+    return DirectRead([(infos[i] if stacked else infos[0], off, run_bytes) for i, (_, off, _) in enumerate(runs)],
+                      shape, infos[0].dtype, run_bytes * len(runs))

@@ -1,29 +1,35 @@
-"""The block pipeline: compute blocks on MLX streams or npquant workers while a thread writes finished ones.
+"""The block pipeline: read, compute and write blocks, each stage on its own threads.
 
-Three things overlap: blocks are computed (on one MLX stream per core, or in the npquant
-worker processes, which read the source themselves and leave their results in shared
-memory), the main thread prepares the next block, and a writer thread hashes and writes
-finished blocks at their offsets (hashlib and pwrite release the GIL).
+Blocks' sources are read ahead by reader threads straight into MLX buffers (or by the
+npquant worker processes, which quantize them too and leave their results in shared
+memory); blocks are computed on one MLX stream per core, or on the GPU's; a writer thread
+pwrites finished blocks at their offsets while the shard writer's flusher writes them back
+to disk, and hash threads add them to the per-tensor sha256 (hashlib, pwrite, preadv and
+fdatasync release the GIL).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..io.checkpoint import Checkpoint
-from ..io.reader import TensorReader
-from ..io.shard_writer import StreamingShardWriter
+from ..io.header import DTYPES
+from ..io.reader import TensorReader, pread_into
+from ..io.shard_writer import StreamingShardWriter, array_bytes
 from ..plan import Plan, PlanItem
 from . import npquant
-from .blocks import (DEFAULT_BLOCK_BYTES, Block, item_blocks, numpy_groups, numpy_outputs, numpy_task, produce_block,
-                     quantized_in_numpy)
+from .blocks import (DEFAULT_BLOCK_BYTES, Block, DirectRead, direct_read, item_blocks, numpy_groups, numpy_outputs,
+                     numpy_task, produce_block, quantized_in_numpy)
+from .ops import apply_steps
 from .quantpool import Pending, QuantizerPool, slots_that_fit
 
 _STREAMS: Dict[tuple, List[mx.Stream]] = {}
@@ -46,43 +52,183 @@ def compute_streams(workers: Optional[int] = None) -> List[mx.Stream]:
 
 
 WRITE_AHEAD = 4  # evaluated blocks queued for the writer thread at most
+READ_THREADS = 4  # blocks whose sources are read ahead, in parallel, where no worker processes read them
+GPU_DEPTH = 3  # blocks evaluating on a GPU stream at once (a transfer, a kernel, a transfer back)
+HASH_THREADS = 3  # sha256 runs at ~1 GB/s a core: one thread would bound a GPU conversion
 
 
-def _write_block(writer: StreamingShardWriter, block: Block, outs: List[mx.array]) -> None:
-    for spec, arr in zip(block.item.outputs(), outs):
-        writer.write(spec.key, arr, block.start)
+class SourceBuffers:
+    """Buffers that reader threads read blocks' gathered sources into, made on demand (at
+    most ``limit``, each a power of two from 1 MiB that holds its block: memory stays within
+    ``limit`` × twice the largest block) and reused once the block is written.
+
+    A buffer is an MLX array written through a numpy view of its own memory, so the bytes go
+    from the page cache to the array in one copy, on a reader thread, and a block's source
+    array is a view of it. Where a backend's array memory cannot be written that way
+    (checked on the first buffer: the device must read what the view wrote), buffers are
+    numpy arrays and ``array`` copies them into MLX.
+    """
+
+    def __init__(self, limit: int, stream: mx.Stream):
+        self.limit, self._stream = limit, stream
+        self._arrays: List[Optional[mx.array]] = []
+        self._views: List[np.ndarray] = []
+        self._free: List[int] = []
+        self.direct: Optional[bool] = None
+
+    def has_free(self) -> bool:
+        return bool(self._free) or len(self._views) < self.limit
+
+    def take(self, nbytes: int) -> int:
+        """A free buffer of at least ``nbytes`` (``has_free`` first): the smallest free one that
+        holds it, or a new one sized to it, replacing a free one that is too small where
+        ``limit`` buffers exist."""
+        fits = [i for i in self._free if len(self._views[i]) >= nbytes]
+        if fits:
+            slot = min(fits, key=lambda i: len(self._views[i]))
+            self._free.remove(slot)
+            return slot
+        size = max(1 << 20, 1 << (nbytes - 1).bit_length())
+        if self.direct is None:
+            self.direct = self._writable_in_place()
+        if self.direct:
+            arr = mx.zeros((size,), mx.uint8, stream=mx.cpu)
+            mx.eval(arr)
+            made = (arr, np.asarray(memoryview(arr)))
+        else:
+            made = (None, np.empty(size, np.uint8))
+        if len(self._views) < self.limit:
+            self._arrays.append(made[0])
+            self._views.append(made[1])
+            return len(self._views) - 1
+        slot = self._free.pop()  # too small: replaced
+        self._arrays[slot], self._views[slot] = made
+        return slot
+
+    def _writable_in_place(self) -> bool:
+        try:
+            arr = mx.zeros((16,), mx.uint8, stream=mx.cpu)
+            mx.eval(arr)
+            view = np.asarray(memoryview(arr))
+            view[:] = np.arange(1, 17, dtype=np.uint8)
+            with mx.stream(self._stream):
+                total = arr.astype(mx.uint32).sum()
+            return total.item() == 136
+        except (TypeError, ValueError, BufferError, RuntimeError):
+            return False
+
+    def view(self, slot: int, nbytes: int) -> memoryview:
+        return memoryview(self._views[slot][:nbytes])
+
+    def array(self, slot: int, read: DirectRead) -> mx.array:
+        """The block's gathered source, ``read.shape`` of ``read.dtype``, from its buffer."""
+        _, mx_dtype, _ = DTYPES[read.dtype]
+        if self.direct:
+            flat = self._arrays[slot][:read.nbytes]
+        else:
+            flat = mx.array(self._views[slot][:read.nbytes])
+        return flat.view(mx_dtype).reshape(read.shape)
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+# Seconds spent per stage, summed over every thread that does it (benchmarks/time_split.py
+# reads them): a stage's total may exceed the wall time it overlaps with.
+PROFILE: Dict[str, float] = defaultdict(float)
+
+
+def _read_into(runs: List[Tuple[int, int, int]], dest: memoryview) -> None:
+    t = time.perf_counter()
+    pos = 0
+    for fd, offset, nbytes in runs:
+        pread_into(fd, offset, dest[pos:pos + nbytes])
+        pos += nbytes
+    PROFILE["read (reader threads)"] += time.perf_counter() - t
+
+
+class Hashers:
+    """Threads that add written bytes to the shard's per-tensor sha256: each tensor's rows on
+    one thread, in order (tensors are given to the threads in turn), so tensors hash in parallel."""
+
+    def __init__(self, n: int):
+        self._pools = [ThreadPoolExecutor(1, thread_name_prefix="shard-hash") for _ in range(n)]
+        self._of: Dict[str, int] = {}
+
+    def submit(self, writer: StreamingShardWriter, key: str, data: memoryview) -> Future:
+        if key not in self._of:
+            self._of[key] = len(self._of) % len(self._pools)
+        return self._pools[self._of[key]].submit(_hash_rows, writer, key, data)
+
+    def shutdown(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _hash_rows(writer: StreamingShardWriter, key: str, data: memoryview) -> None:
+    t = time.perf_counter()
+    writer.hash_rows(key, data)
+    PROFILE["sha256 (hash threads)"] += time.perf_counter() - t
+
+
+def _write_block(writer: StreamingShardWriter, hashers: Hashers, block: Block, outs: List[mx.array]) -> List[Future]:
+    """pwrite a block's outputs, then hand their bytes to the hash threads (whose futures this returns)."""
+    t = time.perf_counter()
+    for arr in outs:  # a device's result is moved to the host here (timed apart from the write)
+        array_bytes(arr)
+    t2 = time.perf_counter()
+    written = [(spec.key, writer.write(spec.key, arr, block.start, hash=False))
+               for spec, arr in zip(block.item.outputs(), outs)]
+    PROFILE["to host (writer thread)"] += t2 - t
+    PROFILE["pwrite (writer thread)"] += time.perf_counter() - t2
+    return [hashers.submit(writer, key, data) for key, data in written]
 
 
 def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader, writer: StreamingShardWriter,
                  streams: List[mx.Stream], on_item: Callable[[PlanItem], None],
                  quantizers: Optional[QuantizerPool] = None) -> None:
-    """Produce and write ``blocks``, ``len(streams)`` of them being computed at any time
-    (and as many more queued for the worker processes).
+    """Produce and write ``blocks``, several at each stage at any time.
 
-    Three things overlap: blocks k..k+n-1 are computed (on the MLX streams, or, for
-    items npquant can make, in the ``quantizers`` worker processes, which read the
-    source themselves and leave their results in shared memory), the main thread prepares
-    block k+n (copying its source out of the mapping for MLX), and a writer thread hashes
-    and writes finished blocks at their offsets (hashlib and pwrite release the GIL).
-    ``on_item`` runs on the main thread once an item's last block is on disk.
+    Stages, all overlapping: (1) the source is read: by the ``quantizers`` worker processes
+    for items npquant makes (they quantize it too, and leave their results in shared memory),
+    else by reader threads, straight into a buffer that becomes the block's MLX source array
+    (``SourceBuffers``; a gather that needs a copy is done by MLX from the mapping instead);
+    (2) blocks are computed on the MLX streams (one per core, or the GPU's); (3) a writer
+    thread ``pwrite``s finished blocks at their offsets (the shard writer's flusher thread
+    writes them back to disk meanwhile) and (4) hash threads add them to the shard's
+    per-tensor sha256 (hashlib, pwrite and fdatasync release the GIL). ``on_item`` runs on the main
+    thread once an item's last block is on disk and hashed.
     """
-    computing: deque = deque()  # (block, lazy mx outputs, or a Pending npquant result)
-    writing: deque = deque()  # (block, future, the Pending whose slot it writes, or None)
-    # a worker process that finishes early finds the next block already queued for it
-    depth = len(streams) * (2 if quantizers is not None else 1)
+    on_gpu = any(s.device != mx.cpu for s in streams)
+    # (block, what is being made: a read future, a Pending npquant result, or None, and its buffer slot)
+    queued: deque = deque()
+    computing: deque = deque()  # (block, lazy mx outputs, or a Pending npquant result; buffer slot)
+    writing: deque = deque()  # (block, future of the write (-> future of the hash), Pending or None, slot)
+    # worker processes read ahead themselves, and one that finishes early finds the next block queued
+    ahead = 0 if quantizers is not None else READ_THREADS
+    depth = 2 * quantizers.workers if quantizers is not None else (GPU_DEPTH if on_gpu else len(streams))
+    buffers = SourceBuffers(ahead + depth + WRITE_AHEAD + 2, streams[0])
 
     def finish_write() -> None:
-        block, future, pending = writing.popleft()
-        future.result()  # re-raises the writer's error (disk full, ...) here
+        block, future, pending, slot = writing.popleft()
+        t = time.perf_counter()
+        for hashed in future.result():  # re-raises the writer's error (disk full, ...) here
+            hashed.result()
+        PROFILE["main: waits for write + hash"] += time.perf_counter() - t
         if pending is not None:
             quantizers.release(pending)
+        if slot is not None:
+            buffers.release(slot)
         if block.last:
             on_item(block.item)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool:
+    hashers = Hashers(HASH_THREADS)
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool, \
+            ThreadPoolExecutor(READ_THREADS, thread_name_prefix="source-read") as readers:
         def hand_over() -> None:
-            block, outs = computing.popleft()
+            block, outs, slot = computing.popleft()
             pending = None
+            t = time.perf_counter()
             if isinstance(outs, Pending):
                 made = quantizers.result(outs)
                 # None: a NaN or an infinity, whose quantization MLX's kernel decides
@@ -91,34 +237,77 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
                 else:
                     pending, outs = outs, numpy_outputs(block, made)
             mx.eval(*[o for o in outs if isinstance(o, mx.array)])  # the writer only reads finished arrays
-            writing.append((block, pool.submit(_write_block, writer, block, outs), pending))
+            PROFILE["main: waits for device / workers"] += time.perf_counter() - t
+            writing.append((block, pool.submit(_write_block, writer, hashers, block, outs), pending, slot))
             while len(writing) > WRITE_AHEAD:
                 finish_write()
 
+        def start_compute() -> None:
+            block, made, slot, read = queued.popleft()
+            if isinstance(made, Pending):
+                computing.append((block, made, None))
+            else:
+                with mx.stream(streams[start_compute.k % len(streams)]):
+                    if read is not None:
+                        t = time.perf_counter()
+                        made.result()  # re-raises a read error
+                        PROFILE["main: waits for reads"] += time.perf_counter() - t
+                        outs = apply_steps(buffers.array(slot, read), block.item.steps)
+                    else:
+                        outs = produce_block(block, ckpt, reader)
+                start_compute.k += 1
+                mx.async_eval(*outs)
+                computing.append((block, outs, slot))
+            if len(computing) > depth:
+                hand_over()
+        start_compute.k = 0
+
+        def advance() -> None:
+            """Move the oldest block on a stage, to free a buffer or a result slot."""
+            if queued:
+                start_compute()
+            elif computing:
+                hand_over()
+            else:
+                finish_write()
+
         try:
-            for k, block in enumerate(blocks):
+            for block in blocks:
                 if quantizers is not None and quantized_in_numpy(block.item):
                     while not quantizers.has_free_slot():  # every slot holds a result not yet written
-                        hand_over() if computing else finish_write()
-                    computing.append((block, quantizers.submit(numpy_task(block, ckpt, reader))))
+                        advance()
+                    queued.append((block, quantizers.submit(numpy_task(block, ckpt, reader)), None, None))
                 else:
-                    with mx.stream(streams[k % len(streams)]):
-                        outs = produce_block(block, ckpt, reader)
-                    mx.async_eval(*outs)
-                    computing.append((block, outs))
-                if len(computing) > depth:
-                    hand_over()
+                    read = direct_read(block, ckpt)
+                    if read is not None:
+                        runs = [(reader.fileno(info), offset, n) for info, offset, n in read.runs]
+                        while not buffers.has_free():
+                            advance()
+                        slot = buffers.take(read.nbytes)
+                        future = readers.submit(_read_into, runs, buffers.view(slot, read.nbytes))
+                        queued.append((block, future, slot, read))
+                    else:
+                        queued.append((block, None, None, None))
+                if len(queued) > ahead:
+                    start_compute()
+            while queued:
+                start_compute()
             while computing:
                 hand_over()
             while writing:
                 finish_write()
         except BaseException:
-            for _, pending in computing:
+            for _, made, _, _ in queued:
+                if made is not None:
+                    (made.future if isinstance(made, Pending) else made).cancel()
+            for _, pending, _ in computing:
                 if isinstance(pending, Pending):
                     pending.future.cancel()
-            for _, future, _ in writing:
+            for _, future, _, _ in writing:
                 future.cancel()
             raise
+        finally:
+            hashers.shutdown()
 
 
 NUMPY_MIN_BYTES = 256 << 20  # below this much to quantize, starting worker processes does not pay
@@ -131,26 +320,28 @@ def quantizer_pool(plan: Plan, streams: List[mx.Stream],
 
     npquant is faster than MLX's CPU kernel with the same bytes, but only in processes:
     its numpy passes hold the GIL in between, so threads would queue on it. A GPU
-    quantizes faster than either. ``MTPCONVERT_NUMPY_QUANT=0`` turns this off. Results
+    quantizes faster than either. ``MTPCONVERT_NUMPY_QUANT=0`` turns this off, ``=all`` on
+    with a GPU too (one process per core, at most 8). Results
     come back in shared-memory slots: enough for every block in flight (computing, and
     queued for the writer), fewer where /dev/shm is small (the pipeline then waits).
     """
     on_cpu = all(s.device == mx.cpu for s in streams)
     items = [item for item in plan.items if quantized_in_numpy(item)]
-    if not on_cpu or sum(item.in_bytes for item in items) < NUMPY_MIN_BYTES \
-            or os.environ.get("MTPCONVERT_NUMPY_QUANT", "1") == "0":
+    setting = os.environ.get("MTPCONVERT_NUMPY_QUANT", "1")
+    if not (on_cpu or setting == "all") or sum(item.in_bytes for item in items) < NUMPY_MIN_BYTES or setting == "0":
         yield None
         return
+    n = len(streams) if on_cpu else min(os.cpu_count() or 1, 8)
     # an item's first block is its largest (item_blocks cuts equal blocks, the last one shorter)
     firsts = [item_blocks(item, block_bytes)[0] for item in items]
     slot_bytes = max(npquant.result_bytes(numpy_groups(b), b.item.quant.bits, b.item.quant.group_size, b.item.dtype)
                      for b in firsts)
-    slots = slots_that_fit(2 * len(streams) + WRITE_AHEAD + 2, slot_bytes)
+    slots = slots_that_fit(2 * n + WRITE_AHEAD + 2, slot_bytes)
     if slots < 2:
         yield None
         return
     try:
-        workers = QuantizerPool(len(streams), slots, slot_bytes)
+        workers = QuantizerPool(n, slots, slot_bytes)
     except OSError:  # no shared memory to be had (no /dev/shm, no permission): MLX quantizes
         yield None
         return

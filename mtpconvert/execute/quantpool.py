@@ -41,7 +41,7 @@ class QuantizerPool:
     """
 
     def __init__(self, workers: int, slots: int, slot_bytes: int):
-        self.slot_bytes = slot_bytes
+        self.slot_bytes, self.workers = slot_bytes, workers
         self._free: List[int] = list(range(slots))
         self._shm = shared_memory.SharedMemory(create=True, size=slots * slot_bytes)
         self._buf = np.ndarray((slots * slot_bytes,), np.uint8, self._shm.buf)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
@@ -110,6 +111,11 @@ class TensorReader:
         row_bytes = info.nbytes // leading_rows(info.shape)
         return info.start + start * row_bytes, info.start + stop * row_bytes
 
+    def fileno(self, info: TensorInfo) -> int:
+        """The open file holding the tensor (mapped and checked by ``ensure``), for ``pread_into``."""
+        self.ensure(info)
+        return self._maps[info.file][0].fileno()
+
     def ensure(self, info: TensorInfo) -> mmap.mmap:
         """Map the tensor's file (a streamed shard is fetched first) and check the file still
         holds the tensor's bytes; also before a worker process reads them."""
@@ -158,6 +164,17 @@ class TensorReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def pread_into(fd: int, offset: int, dest: memoryview) -> None:
+    """Read ``len(dest)`` bytes at ``offset`` straight into ``dest`` (no mapping, no page faults
+    on the source; the GIL is released while the kernel copies, so threads read in parallel)."""
+    done = 0
+    while done < len(dest):
+        n = os.preadv(fd, [dest[done:]], offset + done)
+        if n <= 0:
+            raise SafetensorsError(f"file ends inside a tensor (byte {offset + done})")
+        done += n
 
 
 def read_all(path: Path) -> Dict[str, mx.array]:

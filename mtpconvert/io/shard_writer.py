@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
@@ -58,6 +59,46 @@ class TensorSpec:
         return math.prod(self.shape) * dtype_itemsize(st_dtype_of(self.dtype))
 
 
+class _Flusher:
+    """Writes a file's dirty pages back to disk on its own thread while the file is still being
+    written: ``kick`` after each stretch of writes, and a pass of ``fdatasync`` (then dropping
+    the now clean pages from the cache) starts unless one is running, which then runs again.
+    The disk stays busy from the first stretch on, the thread that writes never waits for it,
+    and the fsync at close finds little left. An error is raised by ``stop``."""
+
+    def __init__(self, fd: int):
+        self._fd, self._stopping, self.error = fd, False, None
+        self._kicked = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shard-flush", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._kicked.set()
+
+    def _run(self) -> None:
+        sync = getattr(os, "fdatasync", os.fsync)
+        while True:
+            self._kicked.wait()
+            self._kicked.clear()
+            if self._stopping:
+                return
+            try:
+                sync(self._fd)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError as e:
+                self.error = e
+                return
+
+    def stop(self) -> None:
+        """Wait for the pass under way (the file must stay open until then); re-raise its error."""
+        self._stopping = True
+        self._kicked.set()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 class StreamingShardWriter:
     """Writes one safetensors file whose header is fixed before any data arrives.
 
@@ -94,10 +135,14 @@ class StreamingShardWriter:
         self._next_row = {k: 0 for k in self.specs}
         self._hashes = {k: hashlib.sha256() for k in self.specs}  # rows arrive in order per tensor
         self._unsynced = 0
+        self._flusher = _Flusher(self._file.fileno())
         self.size = data_start + offset
 
-    def write(self, key: str, arr: mx.array, row: int = 0) -> None:
-        """Write ``arr`` as rows ``row:row + len(arr)`` of ``key`` (the whole tensor by default)."""
+    def write(self, key: str, arr: mx.array, row: int = 0, hash: bool = True) -> memoryview:
+        """Write ``arr`` as rows ``row:row + len(arr)`` of ``key`` (the whole tensor by default).
+
+        ``hash=False`` leaves the digest to ``hash_rows``, called with the bytes this returns,
+        each tensor's in the order written (on another thread: sha256 and pwrite overlap)."""
         spec = self.specs.get(key)
         if spec is None:
             raise RuntimeError(f"{self.path.name}: unexpected tensor {key}")
@@ -120,17 +165,23 @@ class StreamingShardWriter:
         done = 0
         while done < len(data):
             done += os.pwrite(self._file.fileno(), data[done:], position + done)
-        self._hashes[key].update(data)
+        if hash:
+            self._hashes[key].update(data)
         self._next_row[key] = row + n
         self._unsynced += len(data)
         if self._unsynced >= WRITEBACK_BYTES:
             self._start_writeback()
+        return data
+
+    def hash_rows(self, key: str, data: memoryview) -> None:
+        """Add bytes that ``write(..., hash=False)`` returned to ``key``'s digest (each
+        tensor's rows in order)."""
+        self._hashes[key].update(data)
 
     def _start_writeback(self) -> None:
-        """Start writing dirty pages to disk now (async), so the fsync at close has little left."""
+        """Have the flusher write what is dirty back to disk now, while writing goes on."""
         self._unsynced = 0
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        self._flusher.kick()
 
     def digest(self) -> str:
         """sha256 of the file in ``shard_digest``'s form, computed from the bytes as written."""
@@ -147,12 +198,17 @@ class StreamingShardWriter:
             if not self.complete:
                 missing = next(k for k, s in self.specs.items() if self._next_row[k] != leading_rows(s.shape))
                 raise RuntimeError(f"{self.path.name}: closed before {missing} was written")
+            self._flusher.stop()
             os.ftruncate(self._file.fileno(), self.size)  # exact length even if the last tensor is empty
             os.fsync(self._file.fileno())
         finally:
-            self._file.close()
+            self.abort()
 
     def abort(self) -> None:
+        try:
+            self._flusher.stop()
+        except OSError:
+            pass  # the write's own error is the one to report
         self._file.close()
 
 
