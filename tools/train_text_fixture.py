@@ -106,8 +106,8 @@ _PACKAGES = {
 TRAIN_FILES = tuple([f"{m}.py" for m in _TOP.split()]
                     + [f"{pkg}/{m}.py" for pkg, mods in _PACKAGES.items() for m in mods.split()])
 # Held out of training: the prompts of benchmarks/fixture_acceptance.py and the validation loss.
-HELDOUT_FILES = tuple(f"{m}.py" for m in
-                      "calendar cmd difflib fileinput fractions graphlib heapq netrc pprint sched shlex textwrap".split())
+HELDOUT_FILES = tuple(f"{m}.py" for m in "calendar cmd difflib fileinput fractions graphlib heapq netrc pprint "
+                      "sched shlex textwrap".split())
 LICENCE = "PSF License Agreement (Python Software Foundation License), the licence of CPython's standard library"
 
 
@@ -252,7 +252,8 @@ def prepare(args) -> None:
         "tokenizer_sha256": hashlib.sha256((stage / "tokenizer.json").read_bytes()).hexdigest(),
     }
     (stage / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"{len(train)} train files, {manifest['train_chars'] / 1e6:.2f} M chars -> {train_ids.size / 1e6:.2f} M tokens "
+    print(f"{len(train)} train files, {manifest['train_chars'] / 1e6:.2f} M chars -> "
+          f"{train_ids.size / 1e6:.2f} M tokens "
           f"({manifest['train_chars'] / train_ids.size:.2f} chars/token); held out {held_ids.size} tokens; "
           f"{time.time() - t0:.1f} s")
 
@@ -460,7 +461,7 @@ def train(args) -> None:
     if not total:  # calibrate: time the first steps, then fit the run into the budget
         calib = args.calibration_steps
         for step in range(calib):
-            res = one_step(step, 10 ** 9)  # warm-up LR only (lr_at's warm-up, total unknown yet)
+            one_step(step, 10 ** 9)  # inside lr_at's warm-up whatever the total turns out to be
             if step == 4:
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
@@ -491,7 +492,8 @@ def train(args) -> None:
             save_file(torch_state(lm, head), str(out / name), metadata={"format": "pt"})
             saved.append(name)
     log = {
-        "variant": args.variant, "device": str(dev), "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None,
+        "variant": args.variant, "device": str(dev),
+        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None,
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "params": n_params, "steps": total, "tokens_seen": total * args.batch * args.seq,
         "wall_s": round(time.time() - t0, 1), "checkpoints": saved, "history": history,
@@ -542,7 +544,7 @@ def export(args) -> None:
     import mlx.core as mx
 
     sys.path.insert(0, str(REPO))
-    from mtpconvert.safetensors_io import write_all
+    from mtpconvert.io.shard_writer import write_all
 
     stage, run = Path(args.stage), Path(args.run)
     out = Path(args.out or FIXTURES[args.variant])
@@ -578,7 +580,8 @@ def export(args) -> None:
     }
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     size = (out / "model.safetensors").stat().st_size
-    print(f"wrote {out} ({size / 1e6:.2f} MB, {sum(v.numel() for v in state.values()) / 1e6:.2f} M parameters, step {step})")
+    n = sum(v.numel() for v in state.values())
+    print(f"wrote {out} ({size / 1e6:.2f} MB, {n / 1e6:.2f} M parameters, step {step})")
 
 
 def parity(args) -> None:
