@@ -90,6 +90,10 @@ def test_convert_fixture_passes_smoke_then_bench_json(tmp_path):
     r = rows["post-norm", 2]
     assert r["mtp"]["acceptance"] > 0.8 and len(r["mtp"]["acceptance_by_depth"]) == 2
     assert r["plain"]["decode_tok_per_s"] > 0 and r["speedup"] > 0 and r["costs"]["beta"] > 0
+    # plain = mlx-lm's generate_step, our loop only a cross-check; greedy MTP output equals mlx-lm's
+    assert report["baseline"] == r["plain"]["decoder"] == "mlx_lm.generate.generate_step"
+    assert r["plain_loop"]["decode_tok_per_s"] > 0 and r["speedup_vs_plain_loop"] > 0
+    assert r["plain"]["emitted"] == r["mtp"]["emitted"] == 2 * 24 and r["greedy_identical_to_mlx_lm"]
     result = runner.invoke(app, ["bench", str(out), "--depth", "0"])
     assert result.exit_code == 2
 

@@ -219,3 +219,18 @@ def test_rollback_refuses_a_pass_longer_than_max_pass(good):
     rollback(cache, keep=3, length=3)  # keeping everything needs nothing
     with pytest.raises(ValueError, match="max_pass"):
         rollback(cache, keep=2, length=3)
+
+
+def test_mlx_lm_baseline_matches_plain_loop(tmp_path):
+    """The bench baseline is mlx-lm's generate_step: greedy, it decodes what our plain loop decodes;
+    sampled, the same seed gives the same tokens (mlx-lm draws from MLX's global seed)."""
+    from mtpconvert.runtime.baseline import mlx_lm_generate
+
+    out = tmp_path / "bf16"
+    convert_folder(fixture_path("dense"), out, dtype="bfloat16")
+    m = load(out)
+    ids = encode_prompts(out, fixture_prompts(1))[0]
+    tokens, stats = mlx_lm_generate(m, ids, 24)
+    assert tokens == plain_generate(m, ids, 24)[0] and stats.emitted == 24 and stats.decode_s > 0
+    warm = Sampling(temperature=0.8, top_p=0.9)
+    assert mlx_lm_generate(m, ids, 24, warm, seed=3)[0] == mlx_lm_generate(m, ids, 24, warm, seed=3)[0]

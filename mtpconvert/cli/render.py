@@ -116,10 +116,10 @@ def bench_table(result, console: Console) -> None:
     """One row per (hidden convention, depth): acceptance, tokens/step, tok/s both ways, speedup, costs."""
     s = result.sampling
     mode = "greedy" if s.greedy else f"temp {s.temperature}, top-p {s.top_p}, top-k {s.top_k or 'off'}"
-    table = Table(title=f"MTP speculative decoding vs plain ({mode}; {result.prompts} prompts x "
+    table = Table(title=f"MTP speculative decoding vs mlx-lm's generate_step ({mode}; {result.prompts} prompts x "
                         f"{result.max_tokens} tokens; {result.to_json()['device']})")
-    for col in ("h_t", "k", "accept (by depth)", "drafted", "tok/step", "plain tok/s", "MTP tok/s", "speedup",
-                "β / δ / ρ", "pred.", "ovh"):
+    for col in ("h_t", "k", "accept (by depth)", "drafted", "tok/step", "mlx-lm tok/s", "MTP tok/s", "speedup",
+                "our loop tok/s", "β / δ / ρ", "pred.", "ovh"):
         table.add_column(col, justify="left" if col == "h_t" else "right")
     for r in result.rows:
         by_depth = "/".join(f"{a:.0%}" for a in r.mtp.acceptance_by_depth)
@@ -127,13 +127,18 @@ def bench_table(result, console: Console) -> None:
         table.add_row(
             r.hidden.replace("-norm", ""), str(r.depth), f"{r.mtp.acceptance:.1%} ({by_depth})", f"{r.mtp.draft_share:.1%}",
             f"{r.mtp.tokens_per_step:.2f}", f"{r.plain.decode_tps:.1f}", f"{r.mtp.decode_tps:.1f}",
-            f"{r.speedup:.2f}x",
+            f"{r.speedup:.2f}x", f"{r.plain_loop.decode_tps:.1f}",
             f"{c.beta:.2f} / {c.delta:.2f} / {c.rho:.2f}" if c else "-",
             f"{c.predicted_speedup(r.mtp.tokens_per_step, r.reject_share):.2f}x" if c else "-",
             f"{r.overhead:.0%}" if r.overhead is not None else "-",
         )
     console.print(table)
-    console.print("accept: accepted/proposed drafts; drafted: share of emitted tokens that came from drafts; "
+    mismatched = [f"{r.hidden} k={r.depth}" for r in result.rows if r.mismatched_prompts]
+    if mismatched:
+        console.print(f"[red]greedy MTP output differs from mlx-lm's[/red] ({', '.join(mismatched)})")
+    console.print("speedup: MTP tok/s ÷ mlx-lm tok/s (mlx_lm.generate.generate_step, same sampler and prompts); "
+                  "our loop: mtpconvert's synchronous plain loop, a cross-check; "
+                  "accept: accepted/proposed drafts; drafted: share of emitted tokens that came from drafts; "
                   "β: verify pass / decode step; δ: head steps / decode step; ρ: undo after a rejection / decode step; "
                   "pred.: tok/step ÷ (β + δ + ρ × share of steps with a rejection); "
                   "ovh: share of an MTP step outside model calls", style="dim")
