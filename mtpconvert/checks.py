@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from .errors import ConvertError
 from .verify import ERROR, Report, verify
 
-DEFAULT_MIN_ACCEPTANCE = 0.30
+DEFAULT_MIN_ACCEPTANCE = 0.40  # the decoding smoke's floor: runtime/smoke.py says where it comes from
 
 
 class CheckFailed(ConvertError):

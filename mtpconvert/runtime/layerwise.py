@@ -64,7 +64,10 @@ from ..io.header import TensorInfo, read_header
 from ..io.reader import TensorReader
 from .locate import HEAD_PREFIXES, SIDECAR, HeadTensors, locate_mtp, shard_files
 from .mtp import MTPHead, stack_experts
-from .smoke import DEFAULT_MIN_ACCEPTANCE
+
+# Teacher-forced acceptance on the prompt text is not decoding acceptance: correct text-fixture heads
+# score 39-40% here on DEFAULT_PROMPTS (docs/runtime.md), so this check keeps its own floor.
+DEFAULT_MIN_ACCEPTANCE = 0.30
 
 # Root sidecar first (the layout the converter is moving to), then in-model keys.
 

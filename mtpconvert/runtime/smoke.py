@@ -19,9 +19,11 @@ DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    ",
     "Here is a short story about a robot who learns to paint:",
 )
-# Working heads on real models accept 60-90% of greedy drafts; broken ones (missing
-# norm shift, wrong expert order, mismatched hidden state) accept 0-5%.
-DEFAULT_MIN_ACCEPTANCE = 0.30
+# Chosen on the text fixtures with these prompts (docs/runtime.md): every correct conversion,
+# down to a 2-bit head over a 4-bit backbone, accepted >= 46.9% of greedy drafts; every broken
+# one < 39% (head norms without +1 0%, fc halves swapped 2.9%, MoE experts reversed 35-39%).
+# Real releases accept ~75-85%.
+DEFAULT_MIN_ACCEPTANCE = 0.40
 
 
 @dataclass
