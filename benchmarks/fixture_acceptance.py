@@ -20,6 +20,8 @@ mlx's CPU backend has no bf16/fp16 ``gather_mm``, so on the CPU the MoE fixture 
 
     python benchmarks/fixture_acceptance.py --variant dense --variant moe --json acceptance.json
     python benchmarks/fixture_acceptance.py --variant dense --only default --only q4   # a subset
+    python benchmarks/fixture_acceptance.py --variant dense --cells sampled_k2 --json k2.json  # one more column
+    python benchmarks/fixture_acceptance.py --render acceptance.json k2.json   # docs/runtime.md's tables
 """
 
 from __future__ import annotations
