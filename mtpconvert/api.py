@@ -271,9 +271,9 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
                events: Optional[Events] = None, **overrides) -> ConversionResult:
-    """Run one recipe file: pull-and-convert with its options, then upload to its repo unless ``upload=False``."""
-    from .recipes import load_recipe
+    """Run one recipe (a file, or the name of a bundled one): pull-and-convert with its options, then upload to its repo unless ``upload=False``."""
+    from .recipes import find_recipe, load_recipe
 
-    recipe = load_recipe(Path(path))
+    recipe = load_recipe(find_recipe(path))
     return pull_and_convert(recipe.repo, out, recipe.options, revision=recipe.revision, token=token,
                             upload_repo=recipe.upload_repo if upload else None, events=events, **overrides)

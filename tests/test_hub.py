@@ -151,6 +151,14 @@ def test_recipe_run_against_the_hub(hub, tmp_path):
     assert "model.safetensors" in result.output
 
 
+def test_recipe_run_by_bundled_name_outside_the_checkout(hub, tmp_path, monkeypatch):
+    hub.add_folder("Qwen/Qwen3.5-27B", fixture_path("dense"))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["recipe", "run", "Qwen3.5-27B-8bit-bf16", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "pull-and-quantize Qwen/Qwen3.5-27B --revision main --bits 8" in result.output.replace("\n", "")
+
+
 def test_recipe_run_exit_code_follows_the_conversion(hub, tmp_path):
     """A recipe whose conversion fails exits non-zero (the publish job must go red); one that works exits 0."""
     recipe = tmp_path / "r.toml"
