@@ -150,3 +150,46 @@ def test_add_mtp_on_a_stock_mlx_lm_folder_from_a_local_source(tmp_path):
     assert result.exit_code == 0, result.output
     assert "pass" in result.output and "added" in result.output
     assert verify(folder).ok and verify(folder).mtp_complete
+
+
+def _commands(group, path=()):
+    """(argv prefix, click command) for every command under ``group``, groups included."""
+    yield list(path), group
+    for name, cmd in getattr(group, "commands", {}).items():  # typer's own click: no isinstance(click.Group)
+            yield from _commands(cmd, (*path, name))
+
+
+def _examples(epilog: str):
+    import shlex
+
+    return [shlex.split(line, comments=True)[1:] for line in (epilog or "").splitlines()
+            if line.strip().startswith("mtpconvert ")]
+
+
+def test_help_pages_show_no_bool_type_and_every_option_has_one_line_of_help():
+    import typer
+
+    for path, cmd in _commands(typer.main.get_command(app)):
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (path, result.output)
+        assert "<bool>" not in result.output, path
+        for param in cmd.params:
+            if param.param_type_name == "option" or getattr(param, "help", None) is not None:
+                help_text = (param.help or "").strip()
+                assert help_text and "\n" not in help_text, (path, param.name)
+
+
+def test_every_command_shows_examples_that_parse():
+    """Each command's help ends in examples; each example is accepted by that command's own parser."""
+    import typer
+
+    root = typer.main.get_command(app)
+    for path, cmd in _commands(root):
+        if hasattr(cmd, "commands"):
+            continue
+        examples = _examples(cmd.epilog)
+        assert (cmd.epilog or "").startswith("Examples:") and examples, path
+        for argv in examples:
+            assert argv[:len(path)] == path, (path, argv)
+            with cmd.make_context(" ".join(path), argv[len(path):], resilient_parsing=False) as ctx:
+                assert ctx.params is not None

@@ -14,6 +14,7 @@ from ..checks import Checks
 from ..errors import OptionsError
 from . import options as o
 from .errors import handled
+from .helpfmt import Command
 from .progress import rich_events
 from .render import human_bytes, plan_table
 
@@ -163,5 +164,5 @@ def print_pull_plan(pull, as_json: bool) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command(epilog=CONVERT_EPILOG)(convert)
-    app.command("pull-and-quantize", epilog=PULL_EPILOG)(pull_and_quantize)
+    app.command(cls=Command, epilog=CONVERT_EPILOG)(convert)
+    app.command("pull-and-quantize", cls=Command, epilog=PULL_EPILOG)(pull_and_quantize)

@@ -12,6 +12,7 @@ from .. import api
 from ..checks import Checks
 from . import options as o
 from .errors import handled
+from .helpfmt import Command
 from .progress import rich_events
 from .render import human_bytes
 
@@ -26,7 +27,7 @@ ADD_MTP_EPILOG = """Examples:
 
   mtpconvert add-mtp Qwen/Qwen3.5-27B mlx-community-Qwen3.5-27B-4bit/
 
-  mtpconvert add-mtp ~/models/Qwen3.5-27B my-mlx-4bit/   (offline, from a local raw folder)
+  mtpconvert add-mtp ~/models/Qwen3.5-27B my-mlx-4bit/   # offline: the head from a local raw folder
 """
 
 
@@ -73,5 +74,5 @@ def add_mtp(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("upload", epilog=UPLOAD_EPILOG)(upload)
-    app.command("add-mtp", epilog=ADD_MTP_EPILOG)(add_mtp)
+    app.command("upload", cls=Command, epilog=UPLOAD_EPILOG)(upload)
+    app.command("add-mtp", cls=Command, epilog=ADD_MTP_EPILOG)(add_mtp)

@@ -14,12 +14,13 @@ from ..recipes import BUNDLED, find_recipe, list_recipes, load_recipe
 from . import options as o
 from .convert import print_pull_plan, print_result
 from .errors import handled
+from .helpfmt import Command, Group
 from .progress import rich_events
 
 console = Console(stderr=True)
 out_console = Console()
 
-app = typer.Typer(help="Per-model conversion recipes (the bundled ones, or your own TOML files).",
+app = typer.Typer(cls=Group, help="Per-model conversion recipes (the bundled ones, or your own TOML files).",
                   no_args_is_help=True)
 
 LIST_EPILOG = """Examples:
@@ -39,7 +40,7 @@ RUN_EPILOG = """Examples:
 """
 
 
-@app.command("list", epilog=LIST_EPILOG)
+@app.command("list", cls=Command, epilog=LIST_EPILOG)
 @handled
 def recipe_list(folder: Annotated[Optional[Path], typer.Option(
         "--dir", help="Folder of recipe files (default: the recipes that ship with mtpconvert).",
@@ -55,7 +56,7 @@ def recipe_list(folder: Annotated[Optional[Path], typer.Option(
     out_console.print(table)
 
 
-@app.command("run", epilog=RUN_EPILOG)
+@app.command("run", cls=Command, epilog=RUN_EPILOG)
 @handled
 def recipe_run(
     path: Annotated[Path, typer.Argument(help="A recipe file, or the name of a bundled recipe (see `recipe "
