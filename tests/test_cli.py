@@ -1,6 +1,7 @@
 """The CLI: exit codes, --json, refusal to clobber, nothing half-written."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -91,6 +92,31 @@ def test_convert_fixture_passes_smoke_then_bench_json(tmp_path):
     assert r["plain"]["decode_tok_per_s"] > 0 and r["speedup"] > 0 and r["costs"]["beta"] > 0
     result = runner.invoke(app, ["bench", str(out), "--depth", "0"])
     assert result.exit_code == 2
+    # the table, piped (not a terminal, 80 columns): every cell printed whole, the speedup column included
+    table = runner.invoke(app, ["bench", str(out), "--max-tokens", "8", "-p", fixture_prompts(1)[0]],
+                          env={"COLUMNS": "80"})
+    assert table.exit_code == 0, table.output
+    rows = [line for line in table.stdout.splitlines() if line.startswith("│ post") or line.startswith("│ pre")]
+    assert len(rows) == 2 and "…" not in table.stdout, table.stdout
+    assert all(re.search(r"│ +\d+\.\d\dx │", row) for row in rows), rows
+
+
+def test_a_table_in_a_terminal_folds_instead_of_cutting_cells():
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from mtpconvert.cli.render import print_whole
+
+    table = Table()
+    for i in range(11):
+        table.add_column(f"column {i}", justify="right")
+    table.add_row(*[f"{i}.98x" for i in range(11)])
+    screen = Console(file=io.StringIO(), force_terminal=True, width=70, color_system=None)
+    print_whole(table, screen)
+    text = screen.file.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 70, text
 
 
 @pytest.mark.parametrize("args, message", [

@@ -16,6 +16,7 @@ from .convert import print_pull_plan, print_result
 from .errors import handled
 from .helpfmt import Command, Group
 from .progress import rich_events
+from .render import print_whole
 
 console = Console(stderr=True)
 out_console = Console()
@@ -53,7 +54,7 @@ def recipe_list(folder: Annotated[Optional[Path], typer.Option(
     for r in recipes:
         table.add_row(r.path.name, r.repo, str(r.bits or "-"), str(r.group_size or "-"), r.dtype or "source",
                       r.mtp if r.mtp_bits is None else f"{r.mtp_bits}-bit", r.upload_repo or "-")
-    out_console.print(table)
+    print_whole(table, out_console)
 
 
 @app.command("run", cls=Command, epilog=RUN_EPILOG)
