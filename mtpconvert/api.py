@@ -24,6 +24,7 @@ from .errors import ConvertError, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .options import ConvertOptions
 from .plan import Plan, PlanItem, build_plan
+from .provenance import conversion_record
 
 PathLike = Union[str, Path]
 
@@ -103,8 +104,10 @@ def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOp
     """
     events = events or Events()
     ckpt = open_checkpoint(Path(source))
+    record = {**conversion_record("convert", options, source_folder=Path(source).resolve().name),
+              **(extra_metadata or {})}
     return _execute(build_plan(ckpt, options), ckpt, Path(out), checks=checks, overwrite=overwrite, resume=resume,
-                    events=events, extra_metadata=extra_metadata)
+                    events=events, extra_metadata=record)
 
 
 def default_out(repo_id: str, options: ConvertOptions) -> Path:
@@ -141,7 +144,7 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
     events.stage(f"resolving {repo_id}")
     pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
     out = Path(out) if out is not None else default_out(repo_id, options)
-    meta = {"source_repo": repo_id, "source_revision": pulled.sha}
+    meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
     local = Path(local_dir) if local_dir else None
     if stream:
         result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
@@ -195,7 +198,9 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
     ``source`` is the original release: a Hub repo id (only the head's byte ranges are read)
     or a local raw folder (offline).
     """
+    from . import __version__
     from .graft import add_mtp_from_hub, graft
+    from .provenance import library_versions, record_graft
 
     events = events or Events()
     if mtp == "drop":
@@ -214,14 +219,21 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
                                     mtp_bits=mtp_bits, check=check)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
+    where = {"source_folder": Path(source).resolve().name} if info["sha"] == "local" else {
+        "source_repo": source, "source_revision": info["sha"]}
+    record_graft(Path(mlx_dir), {"command": "add-mtp", "version": __version__, "libraries": library_versions(),
+                                 "options": {"mtp": mtp, "mtp_bits": mtp_bits}, **where})
     info["checks"] = record
     return info
 
 
 def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, private: bool = False,
            checks: Checks = Checks(min_acceptance=0.0), record: Optional[CheckRecord] = None,
-           events: Optional[Events] = None) -> str:
-    """Verify a folder, write its model card, upload it in one commit; return the commit URL."""
+           events: Optional[Events] = None, base_model: Optional[str] = None) -> str:
+    """Verify a folder, make its model card, upload both in one commit; return the commit URL.
+
+    ``base_model``: the source release's repo id, when the folder does not record it (a local conversion).
+    """
     from .hub.card import model_card
     from .hub.upload import upload as push
 
@@ -233,7 +245,8 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
         run_checks(folder, Checks(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
                                   min_acceptance=checks.min_acceptance),
                    record, has_mtp=report.mtp_layers_config > 0, on_stage=events.stage)
-    card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok)
+    card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
+                      base_model=base_model)
     events.stage(f"uploading to {repo_id}")
     return push(folder, repo_id, token=token, private=private, card=card)
 

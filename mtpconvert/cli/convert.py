@@ -12,6 +12,7 @@ from rich.console import Console
 from .. import api
 from ..checks import Checks
 from ..errors import OptionsError
+from ..provenance import checked_repo_id
 from . import options as o
 from .errors import handled
 from .helpfmt import Command
@@ -23,7 +24,7 @@ out_console = Console()
 
 CONVERT_EPILOG = """Examples:
 
-  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dtype float16
+  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dtype float16 --base-model Qwen/Qwen3.5-27B
 
   mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dry-run --json
 """
@@ -75,6 +76,7 @@ def convert(
     no_verify: o.NoVerify = False,
     no_smoke: o.NoSmoke = False,
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    base_model: o.BaseModel = None,
 ):
     """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
     options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
@@ -92,7 +94,8 @@ def convert(
         raise OptionsError("OUT is required unless --dry-run")
     with rich_events(console) as events:
         result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance),
-                             overwrite=overwrite, resume=resume, events=events)
+                             overwrite=overwrite, resume=resume, events=events,
+                             extra_metadata={"source_repo": checked_repo_id(base_model)} if base_model else None)
     print_result(result)
 
 
