@@ -450,3 +450,21 @@ def test_card_after_add_mtp_describes_the_grafted_head(hub, tmp_path):
     assert args["source_repo"] == "Qwen/Tiny-MTP" and args["mtp_bits"] == 8
     assert args["revision"] == hub.repos["Qwen/Tiny-MTP"].sha
     assert card_yaml(card)["base_model"] == "Qwen/Tiny-MTP"
+
+
+def test_a_failed_upload_leaves_the_folder_as_it_was(hub, tmp_path):
+    """The card goes up from memory: a failing commit leaves no README.md behind, and a README.md already in
+    the folder (mlx_lm.convert writes one) is never overwritten locally."""
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["convert", str(fixture_path("dense")), str(out), "--no-smoke"]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    hub.fail_commits = True
+    result = runner.invoke(app, ["upload", str(out), "me/denied", "--no-smoke"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and not (out / "README.md").exists()
+
+    hub.fail_commits = False
+    (out / "README.md").write_text("the user's own notes")
+    assert runner.invoke(app, ["upload", str(out), "me/ok", "--no-smoke"]).exit_code == 0
+    assert (out / "README.md").read_text() == "the user's own notes"
+    assert hub.repos["me/ok"].files["README.md"].startswith(b"---\n")
