@@ -258,11 +258,20 @@ def verify(path: PathLike, deep: bool = False):
     return run(Path(path), deep=deep)
 
 
+def _readable_shards(folder: Path) -> None:
+    """Every shard's header fits its file: a truncated shard is named here, not deep inside MLX's loader."""
+    from .io.header import read_header
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        read_header(shard)
+
+
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
           hidden: str = "post-norm", min_acceptance: float = Checks().min_acceptance):
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
     from .runtime.smoke import smoke as run
 
+    _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, hidden, min_acceptance)
 
 
@@ -279,6 +288,7 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
         sampling = sampling or Sampling()
     except ValueError as e:
         raise OptionsError(str(e)) from None
+    _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens)
 
 

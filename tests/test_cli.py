@@ -219,3 +219,26 @@ def test_every_command_shows_examples_that_parse():
             assert argv[:len(path)] == path, (path, argv)
             with cmd.make_context(" ".join(path), argv[len(path):], resilient_parsing=False) as ctx:
                 assert ctx.params is not None
+
+
+def test_smoke_and_bench_name_a_truncated_shard(tmp_path):
+    out = tmp_path / "fx"
+    assert runner.invoke(app, ["convert", str(fixture_path("dense")), str(out), "--no-smoke"]).exit_code == 0
+    shard = next(out.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-4096])  # an interrupted copy
+    for command in ("smoke", "bench"):
+        result = runner.invoke(app, [command, str(out)], env={"COLUMNS": "300"})
+        assert result.exit_code == 2, (command, result.output)
+        assert shard.name in result.output and "internal error" not in result.output, result.output
+
+
+def test_ctrl_c_in_the_demo_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    from mtpconvert import demo
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "execute", interrupted)  # Ctrl-C while the first conversion runs
+    assert demo.run(["--out", str(tmp_path / "demo")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err

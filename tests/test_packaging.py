@@ -55,3 +55,19 @@ def test_a_pip_installed_package_lists_its_recipes_outside_the_checkout(wheel, t
                             cwd=elsewhere, env=env, capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.startswith(str(site)) and "Qwen3.5-27B-4bit-bf16.toml" in listed.stdout
+
+
+def test_make_demo_installs_no_torch():
+    """`make demo` installs the package (and MLX's CPU backend) only; torch comes with the test extras."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    makefile = (ROOT / "Makefile").read_text()
+    rule = makefile.split("$(VENV)/.installed-demo:")[1].split("\n\n")[0]
+    installs = [line for line in rule.splitlines() if "pip install" in line]
+    assert installs and all("test" not in line for line in installs), rule
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    demo_requirements = project["dependencies"] + project["optional-dependencies"]["cpu"]
+    assert not [r for r in demo_requirements if r.lower().startswith("torch")]
