@@ -294,7 +294,8 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
                events: Optional[Events] = None, **overrides) -> ConversionResult:
-    """Run one recipe (a file, or the name of a bundled one): pull-and-convert with its options, then upload to its repo unless ``upload=False``."""
+    """Run one recipe (a file, or the name of a bundled one): pull-and-convert with its options, then upload
+    to its repo unless ``upload=False``."""
     from .recipes import find_recipe, load_recipe
 
     recipe = load_recipe(find_recipe(path))

@@ -124,7 +124,7 @@ def install_mtpconvert() -> str:
     return "pip install ./mtpconvert   # from a clone of mtpconvert's git repository (it is not on PyPI)"
 
 
-def usage(repo_id: str, f: Folder) -> str:
+def usage(repo_id: str) -> str:
     local = repo_id.split("/")[-1]
     return f"""## Use
 
@@ -199,5 +199,5 @@ def model_card(folder: Path, repo_id: str, *, smoke_acceptance: Optional[float] 
 
 {how_it_was_made(f, base, repo_id.split("/")[-1])}
 
-{usage(repo_id, f)}"""
+{usage(repo_id)}"""
     return ModelCard(f"---\n{card_data(f, base).to_yaml()}\n---\n\n{body}").content
