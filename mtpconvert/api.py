@@ -24,6 +24,7 @@ from .errors import ConvertError, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .options import ConvertOptions
 from .plan import Plan, PlanItem, build_plan
+from .provenance import conversion_record
 
 PathLike = Union[str, Path]
 
@@ -103,8 +104,10 @@ def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOp
     """
     events = events or Events()
     ckpt = open_checkpoint(Path(source))
+    record = {**conversion_record("convert", options, source_folder=Path(source).resolve().name),
+              **(extra_metadata or {})}
     return _execute(build_plan(ckpt, options), ckpt, Path(out), checks=checks, overwrite=overwrite, resume=resume,
-                    events=events, extra_metadata=extra_metadata)
+                    events=events, extra_metadata=record)
 
 
 def default_out(repo_id: str, options: ConvertOptions) -> Path:
@@ -141,7 +144,7 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
     events.stage(f"resolving {repo_id}")
     pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
     out = Path(out) if out is not None else default_out(repo_id, options)
-    meta = {"source_repo": repo_id, "source_revision": pulled.sha}
+    meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
     local = Path(local_dir) if local_dir else None
     if stream:
         result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
@@ -195,7 +198,9 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
     ``source`` is the original release: a Hub repo id (only the head's byte ranges are read)
     or a local raw folder (offline).
     """
+    from . import __version__
     from .graft import add_mtp_from_hub, graft
+    from .provenance import library_versions, record_graft
 
     events = events or Events()
     if mtp == "drop":
@@ -214,14 +219,21 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
                                     mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
+    where = {"source_folder": Path(source).resolve().name} if info["sha"] == "local" else {
+        "source_repo": source, "source_revision": info["sha"]}
+    record_graft(Path(mlx_dir), {"command": "add-mtp", "version": __version__, "libraries": library_versions(),
+                                 "options": {"mtp": mtp, "mtp_bits": mtp_bits, "mtp_layout": mtp_layout}, **where})
     info["checks"] = record
     return info
 
 
 def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, private: bool = False,
            checks: Checks = Checks(min_acceptance=0.0), record: Optional[CheckRecord] = None,
-           events: Optional[Events] = None) -> str:
-    """Verify a folder, write its model card, upload it in one commit; return the commit URL."""
+           events: Optional[Events] = None, base_model: Optional[str] = None) -> str:
+    """Verify a folder, make its model card, upload both in one commit; return the commit URL.
+
+    ``base_model``: the source release's repo id, when the folder does not record it (a local conversion).
+    """
     from .hub.card import model_card
     from .hub.upload import upload as push
 
@@ -233,7 +245,8 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
         run_checks(folder, Checks(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
                                   min_acceptance=checks.min_acceptance),
                    record, has_mtp=report.mtp_layers_config > 0, on_stage=events.stage)
-    card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok)
+    card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
+                      base_model=base_model)
     events.stage(f"uploading to {repo_id}")
     return push(folder, repo_id, token=token, private=private, card=card)
 
@@ -253,11 +266,20 @@ def runtimes(path: PathLike):
     return check_folder(Path(path))
 
 
+def _readable_shards(folder: Path) -> None:
+    """Every shard's header fits its file: a truncated shard is named here, not deep inside MLX's loader."""
+    from .io.header import read_header
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        read_header(shard)
+
+
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
           hidden: str = "post-norm", min_acceptance: float = Checks().min_acceptance):
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
     from .runtime.smoke import smoke as run
 
+    _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, hidden, min_acceptance)
 
 
@@ -274,14 +296,16 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
         sampling = sampling or Sampling()
     except ValueError as e:
         raise OptionsError(str(e)) from None
+    _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens)
 
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
                events: Optional[Events] = None, **overrides) -> ConversionResult:
-    """Run one recipe file: pull-and-convert with its options, then upload to its repo unless ``upload=False``."""
-    from .recipes import load_recipe
+    """Run one recipe (a file, or the name of a bundled one): pull-and-convert with its options, then upload
+    to its repo unless ``upload=False``."""
+    from .recipes import find_recipe, load_recipe
 
-    recipe = load_recipe(Path(path))
+    recipe = load_recipe(find_recipe(path))
     return pull_and_convert(recipe.repo, out, recipe.options, revision=recipe.revision, token=token,
                             upload_repo=recipe.upload_repo if upload else None, events=events, **overrides)

@@ -1,4 +1,7 @@
-"""Per-model conversion recipes: small TOML files under recipes/ naming one published variant.
+"""Per-model conversion recipes: small TOML files naming one published variant.
+
+The recipes ship inside the package (``mtpconvert/data/recipes``, ``recipes/`` in a checkout
+links there), so ``recipe list`` and ``recipe run NAME`` work from a plain ``pip install``.
 
 A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6
 repository, and options that QuantOptions/ConvertOptions accept.
@@ -19,6 +22,7 @@ except ModuleNotFoundError:  # Python 3.10
 from .errors import OptionsError
 from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 
+BUNDLED = Path(__file__).parent / "data" / "recipes"
 REPO = re.compile(r"^Qwen/Qwen3\.[56]-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision"}
 
@@ -88,5 +92,25 @@ def load_recipe(path: Path) -> Recipe:
     return recipe
 
 
-def list_recipes(folder: Path) -> List[Recipe]:
-    return [load_recipe(p) for p in sorted(Path(folder).glob("*.toml"))]
+def list_recipes(folder: Path = BUNDLED) -> List[Recipe]:
+    """Every recipe in ``folder``; a folder that is missing or holds none is an error, not an empty list."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise OptionsError(f"no recipe folder {folder}", hint="leave out --dir for the recipes that ship with "
+                           "mtpconvert")
+    files = sorted(folder.glob("*.toml"))
+    if not files:
+        raise OptionsError(f"no recipes (*.toml) in {folder}")
+    return [load_recipe(p) for p in files]
+
+
+def find_recipe(name_or_path: Path) -> Path:
+    """A recipe file: a path as given, else the bundled recipe of that name (``Qwen3.5-27B-4bit-bf16[.toml]``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = BUNDLED / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+    if path.parent == Path(".") and bundled.is_file():
+        return bundled
+    raise OptionsError(f"no recipe {name_or_path}", hint="`mtpconvert recipe list` shows the bundled ones; "
+                       "a path must name an existing .toml file")

@@ -42,6 +42,7 @@ class FakeHub:
         self.drop_after: Dict[str, int] = {}  # filename -> bytes to send before cutting the connection once
         self.created: List[dict] = []
         self.validated_yaml: List[str] = []
+        self.fail_commits = False  # commits answer 403: an upload that fails after the repo was created
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -195,6 +196,8 @@ class FakeHub:
                     return self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
                                                  for f in files], "commitOid": hub.repos[m.group(1)].sha})
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/commit/([^/]+)$", path)
+                if m and hub.fail_commits:
+                    return self._json({"error": "You have no write access to this repository", "code": "Forbidden"}, 403)
                 if m:
                     repo = self._repo(m.group(1))
                     if repo is None:

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -109,7 +110,7 @@ def test_private_repo_with_token_and_token_never_leaks(hub, tmp_path):
     card = uploaded["README.md"].decode()
     assert "library_name: mlx" in card and "base_model: Org/Private" in card and "- mtp" in card
     sha = hub.repos["Org/Private"].sha
-    assert f"pull-and-quantize Org/Private --revision {sha} --bits 8 --group-size 32" in card
+    assert f"pull-and-quantize Org/Private tiny-mtp-8bit --revision {sha} --bits 8 --group-size 32" in card
     assert "--token" not in card, card
     assert "8-bit, group 32" in card and "%" in card
     assert hub.validated_yaml and "library_name: mlx" in hub.validated_yaml[0]
@@ -149,6 +150,14 @@ def test_recipe_run_against_the_hub(hub, tmp_path):
     assert result.exit_code == 0, result.output
     assert "pull-and-quantize Qwen/Qwen3.5-27B --revision main --bits 8" in result.output.replace("\n", "")
     assert "model.safetensors" in result.output
+
+
+def test_recipe_run_by_bundled_name_outside_the_checkout(hub, tmp_path, monkeypatch):
+    hub.add_folder("Qwen/Qwen3.5-27B", fixture_path("dense"))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["recipe", "run", "Qwen3.5-27B-8bit-bf16", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "pull-and-quantize Qwen/Qwen3.5-27B --revision main --bits 8" in result.output.replace("\n", "")
 
 
 def test_recipe_run_exit_code_follows_the_conversion(hub, tmp_path):
@@ -321,3 +330,145 @@ def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkey
     assert result.exit_code != 0
     assert victim in result.output
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == []
+
+
+# --- the model card: built from the folder's record, its command round-trips, its usage runs as written ---
+
+def card_blocks(card: str, lang: str):
+    import re
+
+    return re.findall(rf"```{lang}\n(.*?)```", card, re.S)
+
+
+def card_commands(card: str):
+    """Every `mtpconvert ...` line of the card's bash blocks, as argv after `mtpconvert`."""
+    import shlex
+
+    return [shlex.split(line, comments=True)[1:] for block in card_blocks(card, "bash")
+            for line in block.splitlines() if line.startswith("mtpconvert ")]
+
+
+def parsed(argv):
+    """The options the CLI's own parser gives ``argv`` (a command and its arguments)."""
+    import typer
+
+    command = typer.main.get_command(app).commands[argv[0]]
+    with command.make_context(argv[0], list(argv[1:])) as ctx:
+        return {k: getattr(v, "value", v) for k, v in ctx.params.items()}
+
+
+def card_yaml(card: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+def test_card_command_round_trips_through_the_cli(hub, tmp_path):
+    """A --mtp-bits 8 conversion: the card's command parses back to the options that ran (not `--mtp-bits bits`)."""
+    given = ["pull-and-quantize", "Qwen/Tiny-MTP", str(tmp_path / "out"), "--bits", "4", "--group-size", "32",
+             "--dtype", "bfloat16", "--mtp-bits", "8", "--max-shard-size", "0.5", "--mtp-layout", "in-model"]
+    result = runner.invoke(app, [*given, "--no-smoke", "--upload-repo", "me/tiny-4bit"])
+    assert result.exit_code == 0, result.output
+    card = hub.repos["me/tiny-4bit"].files["README.md"].decode()
+    commands = [c for c in card_commands(card) if c[0] == "pull-and-quantize"]
+    assert len(commands) == 1 and commands[0][commands[0].index("--mtp-bits") + 1] == "8"
+    from_card, ran = parsed(commands[0]), parsed(given)
+    assert from_card.pop("revision") == hub.repos["Qwen/Tiny-MTP"].sha and ran.pop("revision") is None
+    assert from_card.pop("out") == Path("tiny-4bit")  # the folder a reader makes: the repo's name
+    ran.pop("out")
+    assert from_card == ran
+    assert card_yaml(card)["base_model"] == "Qwen/Tiny-MTP"
+    assert "| MTP head | 8-bit, group 32, affine" in card and "| backbone | 4-bit, group 32, affine |" in card
+    assert "pip install mtpconvert\n" not in card and "pip install mlx-lm" in card
+    assert "Head layout: `in-model`" in card and "| mlx-lm-pr990 |" in card
+
+
+def test_card_usage_runs_as_written(hub, tmp_path):
+    """The card's Python blocks run unchanged against the Hub they name (here the loopback one)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--bits", "8", "--group-size", "32",
+                                 "--upload-repo", "me/tiny-8bit"])
+    assert result.exit_code == 0, result.output
+    card = hub.repos["me/tiny-8bit"].files["README.md"].decode()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "reader-cache"),
+           "PYTHONPATH": str(root)}
+    blocks = card_blocks(card, "python")
+    assert len(blocks) == 2 and all('"me/tiny-8bit"' in b for b in blocks)
+    for block in blocks:
+        run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, (block, run.stderr[-3000:])
+        assert run.stdout.strip()
+    for argv in card_commands(card):  # the bash block's mtpconvert lines parse as written
+        assert parsed(argv)
+
+
+def test_card_of_a_local_conversion_names_the_given_base_model_or_none(hub, tmp_path):
+    out = tmp_path / "local-8bit"
+    given = ["convert", str(fixture_path("dense")), str(out), "--bits", "8", "--group-size", "32", "--no-smoke",
+             "--base-model", "Qwen/Tiny-MTP"]
+    assert runner.invoke(app, given).exit_code == 0
+    assert runner.invoke(app, ["upload", str(out), "me/local", "--no-smoke"]).exit_code == 0
+    card = hub.repos["me/local"].files["README.md"].decode()
+    assert card_yaml(card)["base_model"] == "Qwen/Tiny-MTP" and "pull-and-quantize" not in card
+    (command,) = [c for c in card_commands(card) if c[0] == "convert"]
+    from_card, ran = parsed(command), parsed(given)
+    assert from_card.pop("source") == Path(fixture_path("dense").name) and from_card.pop("out") == Path("local")
+    checks_only = ("source", "out", "no_smoke")  # --no-smoke changes what is checked, not what is written
+    assert {k: v for k, v in ran.items() if k not in checks_only} == {k: v for k, v in from_card.items()
+                                                                       if k not in checks_only}
+
+    bare = tmp_path / "bare"  # no --base-model: the card has no base_model at all, never "unknown"
+    assert runner.invoke(app, ["convert", str(fixture_path("dense")), str(bare), "--no-smoke"]).exit_code == 0
+    assert runner.invoke(app, ["upload", str(bare), "me/bare", "--no-smoke"]).exit_code == 0
+    card = hub.repos["me/bare"].files["README.md"].decode()
+    assert "base_model" not in card_yaml(card) and "unknown" not in card
+    assert runner.invoke(app, ["upload", str(bare), "me/bare2", "--no-smoke", "--base-model", "Qwen/Tiny-MTP"]
+                         ).exit_code == 0
+    assert card_yaml(hub.repos["me/bare2"].files["README.md"].decode())["base_model"] == "Qwen/Tiny-MTP"
+    refused = runner.invoke(app, ["upload", str(bare), "me/bare3", "--base-model", "/home/me/Qwen"])
+    assert refused.exit_code == 2 and "--base-model" in refused.output and "me/bare3" not in hub.repos
+
+
+def test_card_after_add_mtp_describes_the_grafted_head(hub, tmp_path):
+    from mlx_lm import convert as mlx_lm_convert
+
+    folder = tmp_path / "mlx-lm-4bit"
+    mlx_lm_convert(str(fixture_path("dense")), mlx_path=str(folder), quantize=True, q_bits=4, q_group_size=32)
+    result = runner.invoke(app, ["add-mtp", "Qwen/Tiny-MTP", str(folder), "--mtp-bits", "8"])
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, ["upload", str(folder), "me/grafted"]).exit_code == 0
+    card = hub.repos["me/grafted"].files["README.md"].decode()
+    assert "none (dropped)" not in card and "| MTP head | 8-bit, group 32, affine" in card, card
+    assert "| MTP layers | 1 |" in card and "pull-and-quantize" not in card and "grafted" in card
+    (command,) = [c for c in card_commands(card) if c[0] == "add-mtp"]
+    args = parsed(command)
+    assert args["source_repo"] == "Qwen/Tiny-MTP" and args["mtp_bits"] == 8
+    assert args["revision"] == hub.repos["Qwen/Tiny-MTP"].sha
+    assert card_yaml(card)["base_model"] == "Qwen/Tiny-MTP"
+
+
+def test_a_failed_upload_leaves_the_folder_as_it_was(hub, tmp_path):
+    """The card goes up from memory: a failing commit leaves no README.md behind, and a README.md already in
+    the folder (mlx_lm.convert writes one) is never overwritten locally."""
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["convert", str(fixture_path("dense")), str(out), "--no-smoke"]).exit_code == 0
+    def contents():
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    before = contents()
+    hub.fail_commits = True
+    result = runner.invoke(app, ["upload", str(out), "me/denied", "--no-smoke"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert contents() == before and not (out / "README.md").exists()
+
+    hub.fail_commits = False
+    (out / "README.md").write_text("the user's own notes")
+    assert runner.invoke(app, ["upload", str(out), "me/ok", "--no-smoke"]).exit_code == 0
+    assert (out / "README.md").read_text() == "the user's own notes"
+    assert hub.repos["me/ok"].files["README.md"].startswith(b"---\n")

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app
@@ -53,14 +52,42 @@ def test_recipe_cli_list_and_dry_run(tmp_path, monkeypatch):
     assert result.exit_code == 0 and "Qwen3.5-397B" in result.output
 
 
-def test_publish_workflow():
-    wf = yaml.safe_load((ROOT / ".github" / "workflows" / "publish.yml").read_text())
-    jobs = wf["jobs"]
-    publish = jobs["publish"]
-    assert publish["needs"] == "matrix"
-    assert publish["strategy"]["matrix"]["recipe"] == "${{ fromJson(needs.matrix.outputs.recipes) }}"
-    assert publish["env"]["HF_TOKEN"] == "${{ secrets.HF_TOKEN }}"
-    steps = " ".join(s.get("run", "") for s in publish["steps"])
-    assert "mtpconvert" in steps and "recipe run" in steps
-    assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in publish["steps"])
-    assert True in wf or "on" in wf  # PyYAML reads the bare key `on` as True
+def test_the_checkouts_recipes_are_the_bundled_ones():
+    """recipes/ in a checkout (README, CI) and the package's copy are one folder, so they cannot drift."""
+    from mtpconvert.recipes import BUNDLED
+
+    assert (ROOT / "recipes").resolve() == BUNDLED.resolve()
+    assert BUNDLED.is_relative_to(ROOT / "mtpconvert") and len(list(BUNDLED.glob("*.toml"))) >= 18
+
+
+def test_recipe_list_outside_the_checkout_lists_the_bundled_recipes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here
+    result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert result.output.count("Qwen/Qwen3.5-397B-A17B") == 4 and "Qwen3.6-27B-4bit-bf16.toml" in result.output
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_recipe_list_of_a_folder_without_recipes_is_an_error(tmp_path, make):
+    folder = tmp_path / "nowhere"
+    if make == "empty":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("not a recipe")
+    result = runner.invoke(app, ["recipe", "list", "--dir", str(folder)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert str(folder) in result.output and "Traceback" not in result.output
+
+
+def test_find_recipe_by_bundled_name_or_path(tmp_path, monkeypatch):
+    from mtpconvert.recipes import BUNDLED, find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    assert find_recipe("Qwen3.5-27B-4bit-bf16") == BUNDLED / "Qwen3.5-27B-4bit-bf16.toml"
+    assert find_recipe("Qwen3.5-27B-4bit-bf16.toml") == BUNDLED / "Qwen3.5-27B-4bit-bf16.toml"
+    own = tmp_path / "Qwen3.5-27B-4bit-bf16.toml"  # a file of the same name here wins: it is what was named
+    own.write_text('repo = "Qwen/Qwen3.5-27B"\n')
+    assert find_recipe(Path("Qwen3.5-27B-4bit-bf16.toml")) == Path("Qwen3.5-27B-4bit-bf16.toml")
+    with pytest.raises(OptionsError, match="no recipe"):
+        find_recipe("sub/Qwen3.5-27B-4bit-bf16.toml")  # a path that does not exist is not looked up by name
+    with pytest.raises(OptionsError, match="no recipe"):
+        find_recipe("Qwen9-1B")

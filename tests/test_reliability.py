@@ -264,6 +264,8 @@ def test_verify_deep_names_non_finite_tensors(raw_checkpoints, tmp_path):
     findings = json.loads(result.stdout)["findings"]
     assert [(f["code"], f["key"]) for f in findings if f["severity"] == "error"] == [("non-finite", key)]
     assert "1 NaN" in findings[0]["message"]
+    text = runner.invoke(app, ["verify", str(out), "--deep"], env={"COLUMNS": "300"})
+    assert text.exit_code == 1 and f"[{key}]" in text.output, text.output  # not eaten as rich markup
 
 
 # ---------------------------------------------------------------- secrets

@@ -14,6 +14,7 @@ from .. import api
 from ..errors import OptionsError
 from . import options as o
 from .errors import handled
+from .helpfmt import Command
 from .render import bench_table, report_table, runtimes_table
 
 console = Console(stderr=True)
@@ -132,6 +133,6 @@ def bench(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify", epilog=VERIFY_EPILOG)(verify)
-    app.command(epilog=SMOKE_EPILOG)(smoke)
-    app.command(epilog=BENCH_EPILOG)(bench)
+    app.command("verify", cls=Command, epilog=VERIFY_EPILOG)(verify)
+    app.command(cls=Command, epilog=SMOKE_EPILOG)(smoke)
+    app.command(cls=Command, epilog=BENCH_EPILOG)(bench)

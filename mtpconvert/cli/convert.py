@@ -14,8 +14,10 @@ from .. import api
 from ..checks import Checks
 from ..compat import precision_warnings
 from ..errors import OptionsError
+from ..provenance import checked_repo_id
 from . import options as o
 from .errors import handled
+from .helpfmt import Command
 from .progress import rich_events
 from .render import human_bytes, plan_table, runtimes_table
 
@@ -24,7 +26,7 @@ out_console = Console()
 
 CONVERT_EPILOG = """Examples:
 
-  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dtype float16
+  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dtype float16 --base-model Qwen/Qwen3.5-27B
 
   mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dry-run --json
 """
@@ -91,6 +93,7 @@ def convert(
     no_verify: o.NoVerify = False,
     no_smoke: o.NoSmoke = False,
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    base_model: o.BaseModel = None,
 ):
     """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
     options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
@@ -109,7 +112,8 @@ def convert(
         raise OptionsError("OUT is required unless --dry-run")
     with rich_events(console) as events:
         result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance),
-                             overwrite=overwrite, resume=resume, events=events)
+                             overwrite=overwrite, resume=resume, events=events,
+                             extra_metadata={"source_repo": checked_repo_id(base_model)} if base_model else None)
     print_result(result)
 
 
@@ -183,5 +187,5 @@ def print_pull_plan(pull, as_json: bool) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command(epilog=CONVERT_EPILOG)(convert)
-    app.command("pull-and-quantize", epilog=PULL_EPILOG)(pull_and_quantize)
+    app.command(cls=Command, epilog=CONVERT_EPILOG)(convert)
+    app.command("pull-and-quantize", cls=Command, epilog=PULL_EPILOG)(pull_and_quantize)

@@ -52,6 +52,9 @@ Revision = Annotated[Optional[str], typer.Option("--revision", help="Branch, tag
 Private = Annotated[bool, typer.Option("--private", help="Create the Hub repository as private.")]
 Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).",
                                                       show_default=False)]
+BaseModel = Annotated[Optional[str], typer.Option(
+    "--base-model", help="Hub repo id of the source release (e.g. Qwen/Qwen3.5-27B), recorded for the model card.",
+    show_default=False)]
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
 
 DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, mtp_layout=MtpLayoutChoice.sidecar, max_shard_gb=5.0,
