@@ -123,7 +123,8 @@ def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOp
     """Convert a local checkpoint folder into an MLX folder at ``out``, atomically.
 
     The finished folder is verified and smoke-tested (``checks``) before it is renamed
-    into place; any failure leaves nothing at ``out``.
+    into place; any failure leaves nothing at ``out``. Shards finished before a failure stay in
+    ``.OUT.partial`` for ``resume=True``: the exception's ``kept`` (``errors.Kept``) names them.
     """
     events = events or Events()
     ckpt = open_checkpoint(Path(source))
