@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Union
 
 from .checks import CheckRecord, Checks, run_checks
-from .errors import ConvertError, OptionsError
+from .errors import ConvertError, Kept, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .options import ConvertOptions
 from .plan import Plan, PlanItem, build_plan
@@ -74,6 +74,24 @@ def _partial(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def _kept(error: BaseException, record: CheckRecord) -> Optional[Kept]:
+    """What a failed run left for --resume: the partial folder ``OutputFolder`` kept (it keeps
+    it once a shard is finished: ``io.output_folder``), and the check that failed."""
+    partial = getattr(error, "kept_partial", None)
+    if partial is None:
+        return None
+    if isinstance(error, KeyboardInterrupt):  # not a failed check: resume runs the checks again
+        return Kept(partial)
+    return Kept(partial, record.failed, record.smoke_mode if record.failed == "smoke" else None)
+
+
+def _interrupted(out: Path, kept: Optional[Kept]) -> Interrupted:
+    summary = f"interrupted: nothing was written to {out}"
+    error = Interrupted(f"{summary}; finished shards are kept in {kept.partial} for --resume" if kept else summary)
+    error.summary, error.kept = summary, kept
+    return error
+
+
 def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwrite: bool, resume: bool,
              events: Events, extra_metadata: Optional[dict], stream=None) -> ConversionResult:
     from .execute import execute
@@ -87,9 +105,15 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwr
     try:
         done = execute(plan_, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
                        progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream)
-    except KeyboardInterrupt:
-        raise Interrupted(f"interrupted: nothing was written to {out}; finished shards are kept in "
-                          f"{_partial(out)} for --resume") from None
+    except KeyboardInterrupt as e:
+        raise _interrupted(out, _kept(e, record)) from None
+    except BaseException as e:
+        # finished shards that survived (a post-check failed, an error after some shards were
+        # written) are named on the error, whatever its type, so the caller can say how to resume
+        kept = _kept(e, record)
+        if kept is not None:
+            e.kept = kept
+        raise
     return ConversionResult(done.out, plan_, done.shards, done.tensors, done.bytes_written, done.shards_reused,
                             record)
 
@@ -100,7 +124,8 @@ def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOp
     """Convert a local checkpoint folder into an MLX folder at ``out``, atomically.
 
     The finished folder is verified and smoke-tested (``checks``) before it is renamed
-    into place; any failure leaves nothing at ``out``.
+    into place; any failure leaves nothing at ``out``. Shards finished before a failure stay in
+    ``.OUT.partial`` for ``resume=True``: the exception's ``kept`` (``errors.Kept``) names them.
     """
     events = events or Events()
     ckpt = open_checkpoint(Path(source))
@@ -181,8 +206,10 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
         try:
             result = _execute(plan_, ckpt, out, checks=checks, overwrite=overwrite, resume=resume, events=events,
                               extra_metadata=meta, stream=feed)
-        finally:
-            feed.close()
+        except BaseException:
+            feed.abandon()  # Ctrl-C must not wait for a multi-GB download in flight
+            raise
+        feed.close()
         result.peak_stream_bytes = feed.peak_bytes
         return result
     finally:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,6 +41,7 @@ class FakeHub:
         self.repos: Dict[str, Repo] = {}
         self.log: List[Request] = []
         self.drop_after: Dict[str, int] = {}  # filename -> bytes to send before cutting the connection once
+        self.bytes_per_s: Optional[float] = None  # throttle file downloads (GET without a Range) to this rate
         self.created: List[dict] = []
         self.validated_yaml: List[str] = []
         self.fail_commits = False  # commits answer 403: an upload that fails after the repo was created
@@ -175,7 +177,20 @@ class FakeHub:
                     self.wfile.flush()
                     self.close_connection = True
                     return
+                if hub.bytes_per_s and not rng:
+                    return self._trickle(data, hub.bytes_per_s)
                 self.wfile.write(data)
+
+            def _trickle(self, data: bytes, rate: float, chunk: int = 4096):
+                """Send ``data`` at ``rate`` bytes/s; stop quietly when the client hangs up."""
+                for i in range(0, len(data), chunk):
+                    try:
+                        self.wfile.write(data[i:i + chunk])
+                        self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        self.close_connection = True
+                        return
+                    time.sleep(chunk / rate)
 
             def do_POST(self):
                 self._record()

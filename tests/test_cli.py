@@ -2,12 +2,15 @@
 
 import json
 import re
+import shlex
 
 import pytest
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app
+from mtpconvert.execute.resume import RESUME_DIR
 from mtpconvert.fixture import fixture_path
+from mtpconvert.verify import verify
 
 runner = CliRunner()
 
@@ -63,13 +66,30 @@ def test_failed_conversion_leaves_nothing(tmp_path):
     assert result.exit_code == 1 and json.loads(result.stdout)["findings"][0]["code"] == "mtp-missing"
 
 
-def test_convert_runs_smoke_and_a_failing_head_leaves_nothing(raw_checkpoints, tmp_path):
-    """Random weights draft nothing useful: the smoke check fails before OUT is committed."""
+def resume_command(output: str) -> list:
+    """The arguments of the resume command an error message gives (after 'resume with: ')."""
+    line = next(line for line in output.splitlines() if "resume with: " in line)
+    words = shlex.split(line.split("resume with: ", 1)[1])
+    assert words[0] == "mtpconvert"
+    return words[1:]
+
+
+def test_convert_runs_smoke_and_a_failing_head_keeps_the_shards_for_resume(raw_checkpoints, tmp_path):
+    """Random weights draft nothing useful: the smoke check fails before OUT is committed, the
+    finished shards stay, and the command the message gives (--resume --no-smoke, same options)
+    commits them without rewriting any."""
     src = raw_checkpoints("dense-vlm").path
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(src), str(out), "--dtype", "float32"])
-    assert result.exit_code != 0 and "MTP smoke test failed" in result.output
-    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    result = runner.invoke(app, ["convert", str(src), str(out), "--dtype", "float32", "--smoke-mode", "full"])
+    assert result.exit_code == 2 and "MTP smoke test failed (full)" in result.output, result.output
+    assert not out.exists() and (tmp_path / ".out.partial" / RESUME_DIR).is_dir()
+    args = resume_command(result.output)
+    assert args == ["convert", str(src), str(out), "--dtype", "float32", "--resume", "--no-smoke", "--smoke-mode",
+                    "full"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 reused after checking" in result.output and verify(out).ok  # the model shard and mtp.safetensors
+    assert not (tmp_path / ".out.partial").exists() and not (out / RESUME_DIR).exists()
 
 
 def test_convert_fixture_passes_smoke_then_bench_json(tmp_path):

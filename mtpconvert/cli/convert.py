@@ -39,16 +39,24 @@ PULL_EPILOG = """Examples:
 """
 
 
-def _checks(no_verify: bool, no_smoke: bool, min_acceptance: float) -> Checks:
-    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance)
+def _checks(no_verify: bool, no_smoke: bool, min_acceptance: float, smoke_mode: o.SmokeModeChoice) -> Checks:
+    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance,
+                  smoke_mode=smoke_mode.value)
+
+
+def print_checked_smoke(record, to: Console) -> None:
+    """The smoke's result, and which smoke ran and why."""
+    from .check import print_layerwise, print_smoke
+
+    if record.smoke is None:
+        return
+    to.print(f"smoke: {record.smoke_mode} ({record.smoke_reason})", highlight=False)
+    (print_layerwise if record.smoke_mode == "layerwise" else print_smoke)(record.smoke, to)
 
 
 def print_result(result: api.ConversionResult) -> None:
     record = result.checks
-    if record.smoke is not None:
-        from .check import print_smoke
-
-        print_smoke(record.smoke, console)
+    print_checked_smoke(record, console)
     for note in record.notes:
         console.print(note, highlight=False)
     reused = f", {result.shards_reused} reused after checking" if result.shards_reused else ""
@@ -74,6 +82,7 @@ def print_runtimes(result: api.ConversionResult) -> None:
 
 @handled
 def convert(
+    ctx: typer.Context,
     source: Annotated[Path, typer.Argument(help="Local checkpoint folder (raw Hugging Face or MLX).")],
     out: Annotated[Optional[Path], typer.Argument(help="Output folder (written atomically).", show_default=False)]
     = None,
@@ -92,6 +101,7 @@ def convert(
     resume: o.Resume = False,
     no_verify: o.NoVerify = False,
     no_smoke: o.NoSmoke = False,
+    smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
     base_model: o.BaseModel = None,
 ):
@@ -111,7 +121,7 @@ def convert(
     if out is None:
         raise OptionsError("OUT is required unless --dry-run")
     with rich_events(console) as events:
-        result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance),
+        result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance, smoke_mode),
                              overwrite=overwrite, resume=resume, events=events,
                              extra_metadata={"source_repo": checked_repo_id(base_model)} if base_model else None)
     print_result(result)
@@ -119,6 +129,7 @@ def convert(
 
 @handled
 def pull_and_quantize(
+    ctx: typer.Context,
     repo_id: Annotated[str, typer.Argument(help="Hub repository, e.g. Qwen/Qwen3.5-27B.")],
     out: Annotated[Optional[Path], typer.Argument(help="Output folder (default: ./<name>-<bits>bit-mtp-mlx).",
                                                   show_default=False)] = None,
@@ -146,6 +157,7 @@ def pull_and_quantize(
     overwrite: o.Overwrite = False,
     resume: o.Resume = False,
     no_smoke: o.NoSmoke = False,
+    smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
     upload_repo: Annotated[Optional[str], typer.Option("--upload-repo", help="Upload the result here, with a model "
                                                        "card.", show_default=False)] = None,
@@ -164,8 +176,8 @@ def pull_and_quantize(
     if as_json:
         raise OptionsError("--json needs --dry-run")
     with rich_events(console) as events:
-        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=_checks(False, no_smoke,
-                                                                                              min_acceptance),
+        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=_checks(False, no_smoke, min_acceptance,
+                                                                                              smoke_mode),
                                       stream=stream, cache_dir=cache_dir, local_dir=local_dir, token=token,
                                       timeout=timeout, overwrite=overwrite, resume=resume, upload_repo=upload_repo,
                                       private=private, events=events)

@@ -69,11 +69,11 @@ def add_mtp(
     """Graft the MTP head onto an existing MLX folder (from the Hub, reading only the mtp.* byte ranges)."""
     with rich_events(console) as events:
         info = api.add_mtp(source_repo, mlx_dir, revision=revision, mtp=mtp.value, mtp_bits=mtp_bits, token=token,
-                           mtp_layout=mtp_layout.value, checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance), events=events)
-    if info["checks"].smoke is not None:
-        from .check import print_smoke
+                           mtp_layout=mtp_layout.value, checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance),
+                           events=events)
+    from .convert import print_checked_smoke
 
-        print_smoke(info["checks"].smoke, console)
+    print_checked_smoke(info["checks"], console)
     console.print(f"[green]added[/green] {info['added']} MTP tensors to {mlx_dir} from {source_repo}@"
                   f"{info['sha'][:12]} (read {human_bytes(info['fetched_bytes'])} of "
                   f"{human_bytes(info['source_bytes'])})")

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from ..checks import DEFAULT_MIN_ACCEPTANCE
+from ..checks import DEFAULT_MIN_ACCEPTANCE, SMOKE_MODES
 from ..options import FLOAT_DTYPES, MODES, MTP_LAYOUTS, MTP_POLICIES, ConvertOptions, QuantOptions
 
 DType = Enum("DType", {d: d for d in FLOAT_DTYPES}, type=str)
@@ -15,6 +15,7 @@ QMode = Enum("QMode", {m: m for m in MODES}, type=str)
 MtpPolicy = Enum("MtpPolicy", {p: p for p in MTP_POLICIES if p != "bits"}, type=str)  # bits: via --mtp-bits
 MtpLayoutChoice = Enum("MtpLayoutChoice", {m: m for m in MTP_LAYOUTS}, type=str)
 Hidden = Enum("Hidden", {"post-norm": "post-norm", "pre-norm": "pre-norm"}, type=str)
+SmokeModeChoice = Enum("SmokeModeChoice", {m: m for m in SMOKE_MODES}, type=str)
 BenchHidden = Enum("BenchHidden", {"post-norm": "post-norm", "pre-norm": "pre-norm", "both": "both"}, type=str)
 
 _AFFINE = ", ".join(map(str, MODES["affine"][0]))
@@ -44,6 +45,9 @@ Resume = Annotated[bool, typer.Option("--resume", help="Reuse shards an interrup
                                       "first).")]
 NoVerify = Annotated[bool, typer.Option("--no-verify", help="Skip verifying the output before it is committed.")]
 NoSmoke = Annotated[bool, typer.Option("--no-smoke", help="Skip the MTP decode smoke test.")]
+SmokeMode = Annotated[SmokeModeChoice, typer.Option(
+    "--smoke-mode", help="full: load the model and decode; layerwise: teacher-forced, one layer in memory at a "
+    "time; auto: full when the weights fit in the memory available.")]
 MinAcceptance = Annotated[float, typer.Option("--min-acceptance", help="Smoke floor for greedy draft acceptance.")]
 Token = Annotated[Optional[str], typer.Option("--token", help="Hub token (default: HF_TOKEN or the saved login).",
                                               show_default=False)]
@@ -58,7 +62,7 @@ BaseModel = Annotated[Optional[str], typer.Option(
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
 
 DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, mtp_layout=MtpLayoutChoice.sidecar, max_shard_gb=5.0,
-                min_acceptance=DEFAULT_MIN_ACCEPTANCE)
+                min_acceptance=DEFAULT_MIN_ACCEPTANCE, smoke_mode=SmokeModeChoice.auto)
 
 
 def convert_options(*, dtype: Optional[DType], bits: Optional[int], group_size: Optional[int], q_mode: QMode,

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import api
+from ..checks import Checks
 from ..recipes import BUNDLED, find_recipe, list_recipes, load_recipe
 from . import options as o
 from .convert import print_pull_plan, print_result
@@ -60,12 +61,17 @@ def recipe_list(folder: Annotated[Optional[Path], typer.Option(
 @app.command("run", cls=Command, epilog=RUN_EPILOG)
 @handled
 def recipe_run(
+    ctx: typer.Context,
     path: Annotated[Path, typer.Argument(help="A recipe file, or the name of a bundled recipe (see `recipe "
                                          "list`).")],
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: ./<name>-<bits>bit-mtp-mlx).",
                                                 show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the download plan only.")] = False,
     no_upload: Annotated[bool, typer.Option("--no-upload", help="Convert but do not upload.")] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Fetch each raw shard when first needed and delete it "
+                                         "after its last use (pull-and-quantize --stream).")] = False,
+    resume: o.Resume = False,
+    smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     token: o.Token = None,
 ):
     """Run one recipe: pull-and-quantize -> verify -> smoke -> upload."""
@@ -76,7 +82,8 @@ def recipe_run(
         print_pull_plan(api.pull_plan(recipe.repo, recipe.options, revision=recipe.revision, token=token), False)
         return
     with rich_events(console) as events:
-        result = api.run_recipe(path, out, upload=not no_upload, token=token, events=events)
+        result = api.run_recipe(path, out, upload=not no_upload, token=token, events=events, stream=stream,
+                                resume=resume, checks=Checks(smoke_mode=smoke_mode.value))
     print_result(result)
 
 

@@ -201,8 +201,8 @@ def execute(
             copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
         except OSError as e:
             raise describe_os_error(e, out) from e
-        shutil.rmtree(folder.path(RESUME_DIR))
         if check is not None:
             check(folder.tmp)
+        shutil.rmtree(folder.path(RESUME_DIR))  # after the checks: a failing check leaves the records for --resume
         folder.commit()
     return ConvertResult(out, list(shards), sum(len(i.outputs()) for i in plan.items), written, reused)
