@@ -42,7 +42,7 @@ def test_the_build_warns_of_no_deprecated_metadata(wheel):
 
 
 @pytest.mark.slow
-def test_a_pip_installed_package_lists_its_recipes_outside_the_checkout(wheel, tmp_path):
+def test_a_pip_installed_package_works_outside_the_checkout(wheel, tmp_path):
     site = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
                               str(wheel[0])], capture_output=True, text=True)
@@ -55,6 +55,19 @@ def test_a_pip_installed_package_lists_its_recipes_outside_the_checkout(wheel, t
                             cwd=elsewhere, env=env, capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.startswith(str(site)) and "Qwen3.5-27B-4bit-bf16.toml" in listed.stdout
+
+    def cli(*argv):
+        code = ("import sys; from mtpconvert.fixture import fixture_path; from mtpconvert.cli import run; "
+                f"sys.exit(run([a.replace('@FIXTURE', str(fixture_path('dense'))) for a in {list(argv)!r}]))")
+        return subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True)
+
+    # the bundled fixture from the installed copy: convert (with its checks), verify, smoke
+    converted = cli("convert", "@FIXTURE", "out", "--bits", "4", "--group-size", "32")
+    assert converted.returncode == 0, converted.stdout[-2000:] + converted.stderr[-2000:]
+    assert (elsewhere / "out" / "mtp.safetensors").is_file()
+    for argv in (("verify", "out"), ("smoke", "out", "--max-tokens", "16")):
+        done = cli(*argv)
+        assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-2000:])
 
 
 def test_make_demo_installs_no_torch():
