@@ -50,8 +50,16 @@ class FakeHub:
         self.lfs: Dict[str, Dict[str, bytes]] = {}  # repo -> sha256 -> uploaded LFS object (committed or not)
         self.lfs_puts: List[str] = []  # oids whose bytes were sent, in order
         self.fail_lfs_puts_after: Optional[int] = None  # PUTs accepted before every later one answers 403
+        self._digests: Dict[tuple, tuple] = {}
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def digest(self, data, algo: str) -> str:
+        """A file's sha1/sha256, computed once per file object (large served files are hashed on every request otherwise)."""
+        key = (id(data), len(data), algo)
+        if key not in self._digests:
+            self._digests[key] = (data, hashlib.new(algo, data).hexdigest())
+        return self._digests[key][1]
 
     @property
     def url(self) -> str:
@@ -128,7 +136,7 @@ class FakeHub:
                     if repo is None:
                         return
                     prefix = (m.group(3) or "").strip("/")
-                    entries = [{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                    entries = [{"type": "file", "path": n, "size": len(b), "oid": hub.digest(b, "sha1")}
                                for n, b in sorted(repo.files.items())
                                if (n.rsplit("/", 1)[0] if "/" in n else "") == prefix]
                     return self._json(entries)
@@ -137,7 +145,7 @@ class FakeHub:
                     repo = self._repo(m.group(1))
                     if repo is None:
                         return
-                    siblings = [{"rfilename": n, "size": len(b), "blobId": hashlib.sha1(b).hexdigest()}
+                    siblings = [{"rfilename": n, "size": len(b), "blobId": hub.digest(b, "sha1")}
                                 for n, b in sorted(repo.files.items())]
                     return self._json({"id": m.group(1), "modelId": m.group(1), "sha": repo.sha,
                                        "siblings": siblings, "private": bool(repo.private_token), "tags": []})
@@ -170,7 +178,7 @@ class FakeHub:
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.send_header("X-Repo-Commit", repo.sha)
-                self.send_header("ETag", '"' + hashlib.sha256(repo.files[name]).hexdigest() + '"')
+                self.send_header("ETag", '"' + hub.digest(repo.files[name], "sha256") + '"')
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{start + len(data) - 1}/{len(repo.files[name])}")
                 self.end_headers()
