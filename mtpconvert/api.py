@@ -93,18 +93,26 @@ def _interrupted(out: Path, kept: Optional[Kept]) -> Interrupted:
 
 
 def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwrite: bool, resume: bool,
-             events: Events, extra_metadata: Optional[dict], stream=None) -> ConversionResult:
+             events: Events, extra_metadata: Optional[dict], stream=None, publisher=None,
+             after_checks: Optional[Callable[[Path, CheckRecord], None]] = None) -> ConversionResult:
+    """``publisher`` (``hub.publish.ShardPublisher``) receives each finished shard; ``after_checks``
+    runs on the temp folder once the checks passed, before it becomes OUT (a failure keeps the shards)."""
     from .execute import execute
 
     events.plan(plan_)
     record = CheckRecord()
 
     def check(folder: Path) -> None:
+        if publisher is not None:
+            publisher.drain()  # the last shard's upload: an upload error is reported before any check runs
         run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage)
+        if after_checks is not None:
+            after_checks(folder, record)
 
     try:
         done = execute(plan_, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
-                       progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream)
+                       progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream,
+                       sink=publisher)
     except KeyboardInterrupt as e:
         raise _interrupted(out, _kept(e, record)) from None
     except BaseException as e:
@@ -172,8 +180,10 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
     meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
     local = Path(local_dir) if local_dir else None
     if stream:
+        publish = {"repo_id": upload_repo, "private": private} if upload_repo else None
         result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
-                                   checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta)
+                                   checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta,
+                                   publish=publish)
     else:
         events.stage(f"downloading {repo_id}")
         events.download(0, pulled.total_bytes or None)
@@ -183,7 +193,7 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
         result = _execute(build_plan(ckpt, options), ckpt, out, checks=checks, overwrite=overwrite, resume=resume,
                           events=events, extra_metadata=meta)
     result.source_repo, result.source_revision = repo_id, pulled.sha
-    if upload_repo:
+    if upload_repo and not stream:  # under --stream the shards went up as they were written
         upload(out, upload_repo, token=token, private=private, checks=Checks(verify=True, smoke=False),
                record=result.checks, events=events)
     return result
@@ -191,30 +201,71 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
 
 def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, local_dir: Optional[Path],
                       timeout: float, checks: Checks, overwrite: bool, resume: bool, events: Events,
-                      meta: dict) -> ConversionResult:
-    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use."""
+                      meta: dict, publish: Optional[dict] = None) -> ConversionResult:
+    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use.
+
+    ``publish`` ({"repo_id", "private"}): each finished output shard is uploaded as it is written and one
+    commit publishes the folder once the checks passed (``hub.publish``)."""
     from .hub import pull
     from .hub.stream import ShardStream, first_use_order
 
     stage = local_dir or out.absolute().parent / f".{out.name}.stream"
+    publisher = (_publisher(publish, out, token, keep_files=checks.smoke and options.quant.mtp != "drop")
+                 if publish else None)
     try:
         events.stage(f"reading {pulled.repo_id} shard headers")
         ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=token, timeout=timeout))
         plan_ = build_plan(ckpt, options)
         feed = ShardStream(first_use_order(plan_, ckpt),
                            lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout))
+        if publisher is not None:
+            publisher.open()
         try:
             result = _execute(plan_, ckpt, out, checks=checks, overwrite=overwrite, resume=resume, events=events,
-                              extra_metadata=meta, stream=feed)
+                              extra_metadata=meta, stream=feed, publisher=publisher,
+                              after_checks=_committer(publisher, publish, events) if publisher else None)
         except BaseException:
             feed.abandon()  # Ctrl-C must not wait for a multi-GB download in flight
+            if publisher is not None:
+                publisher.abandon()
             raise
         feed.close()
         result.peak_stream_bytes = feed.peak_bytes
+        if publisher is not None:
+            _drop_stubs(out, publisher.stubbed, events)
         return result
     finally:
         if local_dir is None:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publisher(publish: dict, out: Path, token: Optional[str], *, keep_files: bool):
+    from .hub.publish import ShardPublisher
+
+    return ShardPublisher(publish["repo_id"], _partial(out.absolute()), token=token, private=publish["private"],
+                          keep_files=keep_files)
+
+
+def _committer(publisher, publish: dict, events: Events) -> Callable[[Path, CheckRecord], None]:
+    """After the checks pass, on the temp folder: the card (from the folder and the checks) and the one commit."""
+    from .hub.card import model_card
+
+    def commit(folder: Path, record: CheckRecord) -> None:
+        card = model_card(folder, publish["repo_id"], smoke_acceptance=record.smoke_acceptance,
+                          verify_ok=record.verify_ok)
+        events.stage(f"committing to {publish['repo_id']}")
+        publish["commit_url"] = publisher.commit(folder, card, "Upload MLX conversion with MTP head (mtpconvert)")
+
+    return commit
+
+
+def _drop_stubs(out: Path, stubbed: Sequence[str], events: Events) -> None:
+    """Header stubs have holes for data: not a model. OUT keeps config, tokenizer, index and the MTP head."""
+    for name in stubbed:
+        (out / name).unlink(missing_ok=True)
+    if stubbed:
+        events.note(f"{len(stubbed)} model shard(s) were uploaded as they were written and are on the Hub only; "
+                    f"{out} keeps config, tokenizer, index and the MTP head")
 
 
 def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, mtp: str = "keep",

@@ -160,7 +160,9 @@ def pull_and_quantize(
     smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
     upload_repo: Annotated[Optional[str], typer.Option("--upload-repo", help="Upload the result here, with a model "
-                                                       "card.", show_default=False)] = None,
+                                                       "card, in one commit. With --stream each shard is uploaded "
+                                                       "as it is written; with --no-smoke too it is then removed "
+                                                       "locally (disk: two output shards).", show_default=False)] = None,
     private: o.Private = False,
 ):
     """Download only what conversion needs, convert, quantize, verify, smoke-test; optionally upload."""
