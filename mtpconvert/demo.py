@@ -104,5 +104,14 @@ def main(argv=None) -> int:
     return 0 if all(ok and checked.ok for _, ok, checked, _ in rows) else 1
 
 
+def run(argv=None) -> int:
+    """main() for `make demo`: Ctrl-C ends it with one line and exit 130, like the CLI (no traceback)."""
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        Console(stderr=True).print("[red]interrupted[/red]")
+        return 130
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run())

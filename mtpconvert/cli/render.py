@@ -22,6 +22,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def print_whole(table: Table, console: Console) -> None:
+    """Print a table with no cell cut short: folded to fit a terminal, at its natural width when piped.
+
+    Rich fits tables to the console width (80 columns when stdout is not a terminal) and ends
+    cut cells with "…"; a piped table is read by a program or a log, which has no width.
+    """
+    for column in table.columns:
+        column.overflow = "fold"
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+    wide = Console(file=console.file, width=max(console.width, natural), color_system=console.color_system,
+                   force_terminal=False)
+    wide.print(table)
+
+
 def plan_table(plan: Plan, console: Console, limit: int = 0) -> None:
     table = Table(title=f"conversion plan: {plan.source}", show_lines=False)
     for col in ("output tensor", "from", "steps", "shape", "out", "shard"):
@@ -132,7 +149,7 @@ def bench_table(result, console: Console) -> None:
             f"{c.predicted_speedup(r.mtp.tokens_per_step, r.reject_share):.2f}x" if c else "-",
             f"{r.overhead:.0%}" if r.overhead is not None else "-",
         )
-    console.print(table)
+    print_whole(table, console)
     mismatched = [f"{r.hidden} k={r.depth}" for r in result.rows if r.mismatched_prompts]
     if mismatched:
         console.print(f"[red]greedy MTP output differs from mlx-lm's[/red] ({', '.join(mismatched)})")

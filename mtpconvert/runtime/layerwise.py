@@ -103,11 +103,15 @@ DEFAULT_VOCAB_BLOCK_BYTES = 128 << 20
 # full or layerwise: a pure decision the caller feeds with measured numbers
 
 
+def weight_files(path: Path) -> List[Path]:
+    """Every weight file the full smoke would load: the shards and the MTP sidecar."""
+    path = Path(path)
+    return [Path(f) for f in shard_files(path)] + ([path / SIDECAR] if (path / SIDECAR).is_file() else [])
+
+
 def folder_weight_bytes(path: Path) -> int:
     """Bytes of every weight file the full smoke would load (shards and the MTP sidecar)."""
-    path = Path(path)
-    files = shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
-    return sum(os.path.getsize(f) for f in files)
+    return sum(os.path.getsize(f) for f in weight_files(path))
 
 
 def stored_bytes_by_unit(path: Path) -> Dict[str, int]:
