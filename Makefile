@@ -32,9 +32,10 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest tests --durations=15
 
 # Runs the converted fixtures in stock mlx-lm 0.31/0.32, mlx-vlm, mtplx, rapid-mlx, vllm-mlx (and the
-# mlx-lm PR #990 branch when available); venvs cached outside the repo (see interop/README.md).
+# mlx-lm PR #990 branch from GitHub: listed under "Not run" when it cannot be installed); venvs cached
+# outside the repo (see interop/README.md). The table goes to docs/interop.md.
 interop: install
-	$(PY) interop/run.py --python $(PY) $(INTEROP_ARGS)
+	$(PY) interop/run.py --python $(PY) --with-pr990 $(INTEROP_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

@@ -123,14 +123,14 @@ def main(argv=None) -> int:
     rows = []
     print(f"{'k':>2} {'decode ms':>9} {'verify ms':>9} {'undo ms':>8} {'head ms':>8} {'beta':>5} {'delta':>5} "
           f"{'rho':>5} {'b+d':>5} "
-          f"{'ovh':>5} {'plain tok/s':>11}  implied speedup at " + " ".join(f"a={a:g}" for a in alphas))
+          f"{'ovh':>5} {'mlx-lm tok/s':>12} {'loop tok/s':>10}  implied speedup at " + " ".join(f"a={a:g}" for a in alphas))
     for r in res.rows:
         c = r.costs
         implied = {f"{a:g}": round(implied_speedup(c.beta, c.delta, c.rho, a, r.depth), 3) for a in alphas}
         rows.append({**r.to_json(), "implied_speedup": implied})
         print(f"{r.depth:>2} {1e3 * c.decode_1:9.2f} {1e3 * c.verify:9.2f} {1e3 * c.undo:8.2f} {1e3 * c.head:8.2f} "
               f"{c.beta:5.2f} {c.delta:5.2f} {c.rho:5.2f} {c.beta + c.delta:5.2f} {r.overhead:5.1%} "
-              f"{r.plain.decode_tps:11.1f}  "
+              f"{r.plain.decode_tps:12.1f} {r.plain_loop.decode_tps:10.1f}  "
               + " ".join(f"{v:5.2f}x" for v in implied.values()))
     result["rows"] = rows
     result["stock_forward_ms"] = stock_forward_ms(m, ids[0], max(depths) + 1)

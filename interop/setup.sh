@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Create (or reuse) the pinned venv of every interop runtime, outside the repo, in
 #   ${MTPCONVERT_INTEROP_CACHE:-$HOME/.cache/mtpconvert/interop}/venvs/<name>
-# Extra arguments go to interop/run.py, e.g. --runtimes mlx-vlm,mlx-lm-0.32 or --with-pr990.
+# from PyPI (what each installs: RUNTIMES in interop/run.py and interop/README.md). On Linux:
+#   - mlx[cpu] everywhere;
+#   - mtplx with its darwin-only requirements named explicitly (mlx[cpu]==0.32.2, mlx-lm<0.32,
+#     transformers>=5.10,<5.17,!=5.13.0);
+#   - rapid-mlx / vllm-mlx with torch==2.13.0 + torchvision==0.28.0 from PyTorch's CPU index first
+#     (MTPCONVERT_TORCH_INDEX overrides the index; empty = pip's own), then the runtime under a
+#     constraints file pinning both, so pip never pulls a CUDA torch.
+# Extra arguments go to interop/run.py, e.g. --runtimes mlx-vlm,mlx-lm-0.32, --with-pr990 (the
+# mlx-lm PR #990 branch from GitHub; a checkout in $CACHE/src/mlx-lm-pr990 or MTPCONVERT_PR990_SRC
+# is used when present), --reinstall.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 exec "${PYTHON:-python3}" "$here/run.py" --setup-only "$@"

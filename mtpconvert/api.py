@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Union
 
 from .checks import CheckRecord, Checks, run_checks
-from .errors import ConvertError, OptionsError
+from .errors import ConvertError, Kept, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .options import ConvertOptions
 from .plan import Plan, PlanItem, build_plan
+from .provenance import conversion_record
 
 PathLike = Union[str, Path]
 
@@ -73,22 +74,54 @@ def _partial(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
+def _kept(error: BaseException, record: CheckRecord) -> Optional[Kept]:
+    """What a failed run left for --resume: the partial folder ``OutputFolder`` kept (it keeps
+    it once a shard is finished: ``io.output_folder``), and the check that failed."""
+    partial = getattr(error, "kept_partial", None)
+    if partial is None:
+        return None
+    if isinstance(error, KeyboardInterrupt):  # not a failed check: resume runs the checks again
+        return Kept(partial)
+    return Kept(partial, record.failed, record.smoke_mode if record.failed == "smoke" else None)
+
+
+def _interrupted(out: Path, kept: Optional[Kept]) -> Interrupted:
+    summary = f"interrupted: nothing was written to {out}"
+    error = Interrupted(f"{summary}; finished shards are kept in {kept.partial} for --resume" if kept else summary)
+    error.summary, error.kept = summary, kept
+    return error
+
+
 def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwrite: bool, resume: bool,
-             events: Events, extra_metadata: Optional[dict], stream=None) -> ConversionResult:
+             events: Events, extra_metadata: Optional[dict], stream=None, publisher=None,
+             after_checks: Optional[Callable[[Path, CheckRecord], None]] = None) -> ConversionResult:
+    """``publisher`` (``hub.publish.ShardPublisher``) receives each finished shard; ``after_checks``
+    runs on the temp folder once the checks passed, before it becomes OUT (a failure keeps the shards)."""
     from .execute import execute
 
     events.plan(plan_)
     record = CheckRecord()
 
     def check(folder: Path) -> None:
+        if publisher is not None:
+            publisher.drain()  # the last shard's upload: an upload error is reported before any check runs
         run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage)
+        if after_checks is not None:
+            after_checks(folder, record)
 
     try:
         done = execute(plan_, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
-                       progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream)
-    except KeyboardInterrupt:
-        raise Interrupted(f"interrupted: nothing was written to {out}; finished shards are kept in "
-                          f"{_partial(out)} for --resume") from None
+                       progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream,
+                       sink=publisher)
+    except KeyboardInterrupt as e:
+        raise _interrupted(out, _kept(e, record)) from None
+    except BaseException as e:
+        # finished shards that survived (a post-check failed, an error after some shards were
+        # written) are named on the error, whatever its type, so the caller can say how to resume
+        kept = _kept(e, record)
+        if kept is not None:
+            e.kept = kept
+        raise
     return ConversionResult(done.out, plan_, done.shards, done.tensors, done.bytes_written, done.shards_reused,
                             record)
 
@@ -99,12 +132,15 @@ def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOp
     """Convert a local checkpoint folder into an MLX folder at ``out``, atomically.
 
     The finished folder is verified and smoke-tested (``checks``) before it is renamed
-    into place; any failure leaves nothing at ``out``.
+    into place; any failure leaves nothing at ``out``. Shards finished before a failure stay in
+    ``.OUT.partial`` for ``resume=True``: the exception's ``kept`` (``errors.Kept``) names them.
     """
     events = events or Events()
     ckpt = open_checkpoint(Path(source))
+    record = {**conversion_record("convert", options, source_folder=Path(source).resolve().name),
+              **(extra_metadata or {})}
     return _execute(build_plan(ckpt, options), ckpt, Path(out), checks=checks, overwrite=overwrite, resume=resume,
-                    events=events, extra_metadata=extra_metadata)
+                    events=events, extra_metadata=record)
 
 
 def default_out(repo_id: str, options: ConvertOptions) -> Path:
@@ -141,11 +177,13 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
     events.stage(f"resolving {repo_id}")
     pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
     out = Path(out) if out is not None else default_out(repo_id, options)
-    meta = {"source_repo": repo_id, "source_revision": pulled.sha}
+    meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
     local = Path(local_dir) if local_dir else None
     if stream:
+        publish = {"repo_id": upload_repo, "private": private} if upload_repo else None
         result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
-                                   checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta)
+                                   checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta,
+                                   publish=publish)
     else:
         events.stage(f"downloading {repo_id}")
         events.download(0, pulled.total_bytes or None)
@@ -155,7 +193,7 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
         result = _execute(build_plan(ckpt, options), ckpt, out, checks=checks, overwrite=overwrite, resume=resume,
                           events=events, extra_metadata=meta)
     result.source_repo, result.source_revision = repo_id, pulled.sha
-    if upload_repo:
+    if upload_repo and not stream:  # under --stream the shards went up as they were written
         upload(out, upload_repo, token=token, private=private, checks=Checks(verify=True, smoke=False),
                record=result.checks, events=events)
     return result
@@ -163,28 +201,71 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
 
 def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, local_dir: Optional[Path],
                       timeout: float, checks: Checks, overwrite: bool, resume: bool, events: Events,
-                      meta: dict) -> ConversionResult:
-    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use."""
+                      meta: dict, publish: Optional[dict] = None) -> ConversionResult:
+    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use.
+
+    ``publish`` ({"repo_id", "private"}): each finished output shard is uploaded as it is written and one
+    commit publishes the folder once the checks passed (``hub.publish``)."""
     from .hub import pull
     from .hub.stream import ShardStream, first_use_order
 
     stage = local_dir or out.absolute().parent / f".{out.name}.stream"
+    publisher = (_publisher(publish, out, token, keep_files=checks.smoke and options.quant.mtp != "drop")
+                 if publish else None)
     try:
         events.stage(f"reading {pulled.repo_id} shard headers")
         ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=token, timeout=timeout))
         plan_ = build_plan(ckpt, options)
         feed = ShardStream(first_use_order(plan_, ckpt),
                            lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout))
+        if publisher is not None:
+            publisher.open()
         try:
             result = _execute(plan_, ckpt, out, checks=checks, overwrite=overwrite, resume=resume, events=events,
-                              extra_metadata=meta, stream=feed)
-        finally:
-            feed.close()
+                              extra_metadata=meta, stream=feed, publisher=publisher,
+                              after_checks=_committer(publisher, publish, events) if publisher else None)
+        except BaseException:
+            feed.abandon()  # Ctrl-C must not wait for a multi-GB download in flight
+            if publisher is not None:
+                publisher.abandon()
+            raise
+        feed.close()
         result.peak_stream_bytes = feed.peak_bytes
+        if publisher is not None:
+            _drop_stubs(out, publisher.stubbed, events)
         return result
     finally:
         if local_dir is None:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _publisher(publish: dict, out: Path, token: Optional[str], *, keep_files: bool):
+    from .hub.publish import ShardPublisher
+
+    return ShardPublisher(publish["repo_id"], _partial(out.absolute()), token=token, private=publish["private"],
+                          keep_files=keep_files)
+
+
+def _committer(publisher, publish: dict, events: Events) -> Callable[[Path, CheckRecord], None]:
+    """After the checks pass, on the temp folder: the card (from the folder and the checks) and the one commit."""
+    from .hub.card import model_card
+
+    def commit(folder: Path, record: CheckRecord) -> None:
+        card = model_card(folder, publish["repo_id"], smoke_acceptance=record.smoke_acceptance,
+                          verify_ok=record.verify_ok)
+        events.stage(f"committing to {publish['repo_id']}")
+        publish["commit_url"] = publisher.commit(folder, card, "Upload MLX conversion with MTP head (mtpconvert)")
+
+    return commit
+
+
+def _drop_stubs(out: Path, stubbed: Sequence[str], events: Events) -> None:
+    """Header stubs have holes for data: not a model. OUT keeps config, tokenizer, index and the MTP head."""
+    for name in stubbed:
+        (out / name).unlink(missing_ok=True)
+    if stubbed:
+        events.note(f"{len(stubbed)} model shard(s) were uploaded as they were written and are on the Hub only; "
+                    f"{out} keeps config, tokenizer, index and the MTP head")
 
 
 def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, mtp: str = "keep",
@@ -195,7 +276,9 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
     ``source`` is the original release: a Hub repo id (only the head's byte ranges are read)
     or a local raw folder (offline).
     """
+    from . import __version__
     from .graft import add_mtp_from_hub, graft
+    from .provenance import library_versions, record_graft
 
     events = events or Events()
     if mtp == "drop":
@@ -214,14 +297,21 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
                                     mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
+    where = {"source_folder": Path(source).resolve().name} if info["sha"] == "local" else {
+        "source_repo": source, "source_revision": info["sha"]}
+    record_graft(Path(mlx_dir), {"command": "add-mtp", "version": __version__, "libraries": library_versions(),
+                                 "options": {"mtp": mtp, "mtp_bits": mtp_bits, "mtp_layout": mtp_layout}, **where})
     info["checks"] = record
     return info
 
 
 def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, private: bool = False,
            checks: Checks = Checks(min_acceptance=0.0), record: Optional[CheckRecord] = None,
-           events: Optional[Events] = None) -> str:
-    """Verify a folder, write its model card, upload it in one commit; return the commit URL."""
+           events: Optional[Events] = None, base_model: Optional[str] = None) -> str:
+    """Verify a folder, make its model card, upload both in one commit; return the commit URL.
+
+    ``base_model``: the source release's repo id, when the folder does not record it (a local conversion).
+    """
     from .hub.card import model_card
     from .hub.upload import upload as push
 
@@ -233,7 +323,8 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
         run_checks(folder, Checks(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
                                   min_acceptance=checks.min_acceptance),
                    record, has_mtp=report.mtp_layers_config > 0, on_stage=events.stage)
-    card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok)
+    card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
+                      base_model=base_model)
     events.stage(f"uploading to {repo_id}")
     return push(folder, repo_id, token=token, private=private, card=card)
 
@@ -253,12 +344,21 @@ def runtimes(path: PathLike):
     return check_folder(Path(path))
 
 
+def _readable_shards(folder: Path) -> None:
+    """Every shard's header fits its file: a truncated shard is named here, not deep inside MLX's loader."""
+    from .io.header import read_header
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        read_header(shard)
+
+
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
-          hidden: str = "post-norm", min_acceptance: float = Checks().min_acceptance):
+          hidden: str = "post-norm", min_acceptance: Optional[float] = None):
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
     from .runtime.smoke import smoke as run
 
-    return run(Path(path), prompts, max_tokens, hidden, min_acceptance)
+    _readable_shards(Path(path))
+    return run(Path(path), prompts, max_tokens, hidden, Checks(min_acceptance=min_acceptance).floor_for("full"))
 
 
 def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
@@ -274,14 +374,16 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
         sampling = sampling or Sampling()
     except ValueError as e:
         raise OptionsError(str(e)) from None
+    _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens)
 
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
                events: Optional[Events] = None, **overrides) -> ConversionResult:
-    """Run one recipe file: pull-and-convert with its options, then upload to its repo unless ``upload=False``."""
-    from .recipes import load_recipe
+    """Run one recipe (a file, or the name of a bundled one): pull-and-convert with its options, then upload
+    to its repo unless ``upload=False``."""
+    from .recipes import find_recipe, load_recipe
 
-    recipe = load_recipe(Path(path))
+    recipe = load_recipe(find_recipe(path))
     return pull_and_convert(recipe.repo, out, recipe.options, revision=recipe.revision, token=token,
                             upload_repo=recipe.upload_repo if upload else None, events=events, **overrides)

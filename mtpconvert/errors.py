@@ -7,8 +7,19 @@ else escaping is a bug in mtpconvert.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Finished work a failed or interrupted run left for ``--resume``: its partial folder,
+    and the post-check that failed (None: the failure came before the checks, or an interruption)."""
+
+    partial: Path
+    failed_check: Optional[str] = None  # "verify" | "smoke"
+    smoke_mode: Optional[str] = None  # the smoke that ran when it failed: "full" | "layerwise"
 
 
 class ConvertError(Exception):
@@ -16,6 +27,7 @@ class ConvertError(Exception):
 
     exit_code = 2
     default_code = "error"
+    kept: Optional[Kept] = None  # set where finished shards survive the failure (see api)
 
     def __init__(
         self,

@@ -1,15 +1,27 @@
-"""Per-model conversion recipes: small TOML files under recipes/ naming one published variant.
+"""Per-model conversion recipes: small TOML files naming one published variant.
+
+The recipes ship inside the package (``mtpconvert/data/recipes``, ``recipes/`` in a checkout
+links there), so ``recipe list`` and ``recipe run NAME`` work from a plain ``pip install``.
 
 A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6
-repository, and options that QuantOptions/ConvertOptions accept.
+repository, options that QuantOptions/ConvertOptions accept, and the runner size it needs
+(``runner``: a key of ``RUNNERS``; the publish workflow runs each recipe on that size).
+
+    python -m mtpconvert.recipes matrix 'recipes/Qwen3.5-27B-*.toml' [--runner SIZE]
+
+prints the publish workflow's job matrix (stdlib only: the workflow runs it before installing).
 """
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 try:
     import tomllib
@@ -19,8 +31,32 @@ except ModuleNotFoundError:  # Python 3.10
 from .errors import OptionsError
 from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 
+BUNDLED = Path(__file__).parent / "data" / "recipes"
 REPO = re.compile(r"^Qwen/Qwen3\.[56]-[0-9A-Za-z.-]+$")
-KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision"}
+KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
+        "runner"}
+
+
+@dataclass(frozen=True)
+class Runner:
+    """A GitHub-hosted Linux runner size: what a job can use, and its default label (a larger
+    runner's label is chosen by the organisation that creates it: the workflow reads overrides
+    from the MTPCONVERT_RUNNER_LABELS repository variable)."""
+
+    memory_gb: int
+    disk_gb: int  # free disk a job can fill: the SSD less the image and a margin
+    label: str
+
+
+# GitHub's published sizes: the standard runner (16 GB RAM, 14 GB of SSD free), then the larger
+# Linux runners with 150, 300 and 600 GB SSDs (about 85% of each counted free here).
+RUNNERS: Dict[str, Runner] = {
+    "standard": Runner(16, 14, "ubuntu-latest"),
+    "large": Runner(16, 125, "ubuntu-latest-4-cores"),
+    "xlarge": Runner(32, 255, "ubuntu-latest-8-cores"),
+    "2xlarge": Runner(64, 510, "ubuntu-latest-16-cores"),
+}
+RAW_SHARD_GB = 5.0  # a Qwen3.5/3.6 release's safetensors shards are at most this size
 
 
 @dataclass(frozen=True)
@@ -36,6 +72,20 @@ class Recipe:
     q_mode: str = "affine"
     upload_repo: Optional[str] = None
     keep_vision: bool = False
+    runner: str = "standard"
+
+    @property
+    def params_b(self) -> float:
+        """Total parameters in billions, from the repository name (Qwen3.5-122B-A10B: 122)."""
+        return float(re.search(r"-(\d+(?:\.\d+)?)B", self.repo).group(1))
+
+    def disk_needed_gb(self) -> float:
+        """Peak disk of ``recipe run --stream``: the whole output (it is uploaded from disk at the
+        end), two raw shards, and 2 GB of sidecars, cache and logs. The output is the parameters at
+        ``bits`` plus a 16-bit scale and bias per group (unquantized norms and the bf16 MTP head
+        add ~1%: inside the margin)."""
+        bits = (self.bits or 16) + (32 / (self.group_size or 64) if self.bits else 0)
+        return self.params_b * bits / 8 + 2 * RAW_SHARD_GB + 2
 
     @property
     def quant(self) -> QuantOptions:
@@ -70,7 +120,7 @@ def load_recipe(path: Path) -> Recipe:
     if not isinstance(data.get("repo"), str) or not REPO.match(data["repo"]):
         raise OptionsError("repo must name a Qwen/Qwen3.5-* or Qwen/Qwen3.6-* repository", file=path, key="repo")
     types = {"revision": str, "bits": int, "group_size": int, "mtp_bits": int, "mtp": str, "q_mode": str,
-             "upload_repo": str, "keep_vision": bool, "dtype": str}
+             "upload_repo": str, "keep_vision": bool, "dtype": str, "runner": str}
     for key, want in types.items():
         if key in data and (not isinstance(data[key], want) or (want is int and isinstance(data[key], bool))):
             raise OptionsError(f"{key} must be a {want.__name__}", file=path, key=key)
@@ -78,6 +128,8 @@ def load_recipe(path: Path) -> Recipe:
         raise OptionsError("mtp must be keep, match or drop", file=path, key="mtp")
     if "upload_repo" in data and data["upload_repo"].count("/") != 1:
         raise OptionsError("upload_repo must be owner/name", file=path, key="upload_repo")
+    if "runner" in data and data["runner"] not in RUNNERS:
+        raise OptionsError(f"runner must be one of {', '.join(RUNNERS)}", file=path, key="runner")
     if data.get("dtype") not in (None,) + FLOAT_DTYPES:
         raise OptionsError(f"dtype must be one of {FLOAT_DTYPES}", file=path, key="dtype")
     recipe = Recipe(path=path, **data)
@@ -88,5 +140,73 @@ def load_recipe(path: Path) -> Recipe:
     return recipe
 
 
-def list_recipes(folder: Path) -> List[Recipe]:
-    return [load_recipe(p) for p in sorted(Path(folder).glob("*.toml"))]
+def list_recipes(folder: Path = BUNDLED) -> List[Recipe]:
+    """Every recipe in ``folder``; a folder that is missing or holds none is an error, not an empty list."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise OptionsError(f"no recipe folder {folder}", hint="leave out --dir for the recipes that ship with "
+                           "mtpconvert")
+    files = sorted(folder.glob("*.toml"))
+    if not files:
+        raise OptionsError(f"no recipes (*.toml) in {folder}")
+    return [load_recipe(p) for p in files]
+
+
+def find_recipe(name_or_path: Path) -> Path:
+    """A recipe file: a path as given, else the bundled recipe of that name (``Qwen3.5-27B-4bit-bf16[.toml]``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = BUNDLED / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+    if path.parent == Path(".") and bundled.is_file():
+        return bundled
+    raise OptionsError(f"no recipe {name_or_path}", hint="`mtpconvert recipe list` shows the bundled ones; "
+                       "a path must name an existing .toml file")
+
+
+def runner_labels(overrides_json: str = "") -> Dict[str, str]:
+    """Label of each runner size: the defaults, replaced by ``{"large": "my-label", ...}``."""
+    labels = {name: r.label for name, r in RUNNERS.items()}
+    overrides = json.loads(overrides_json) if overrides_json.strip() else {}
+    unknown = sorted(set(overrides) - set(RUNNERS))
+    if unknown:
+        raise OptionsError(f"runner label for unknown size {unknown[0]!r}", key="MTPCONVERT_RUNNER_LABELS")
+    return {**labels, **overrides}
+
+
+def workflow_matrix(pattern: str, runner: str = "recipe", labels: Optional[Dict[str, str]] = None) -> List[dict]:
+    """One job per recipe file matching ``pattern``: the file, and the runner label it runs on
+    (the recipe's own size, or ``runner`` for all of them)."""
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise OptionsError("no recipe matches", file=pattern)
+    if runner != "recipe" and runner not in RUNNERS:
+        raise OptionsError(f"runner must be recipe or one of {', '.join(RUNNERS)}", key="runner")
+    labels = labels or runner_labels()
+    jobs = []
+    for f in files:
+        recipe = load_recipe(Path(f))
+        size = recipe.runner if runner == "recipe" else runner
+        jobs.append({"recipe": f, "size": size, "runs_on": labels[size]})
+    return jobs
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="The publish workflow's job matrix, as a GitHub output line.")
+    ap.add_argument("command", choices=["matrix"])
+    ap.add_argument("pattern", help="recipe files, e.g. 'recipes/Qwen3.5-27B-*.toml'")
+    ap.add_argument("--runner", default="recipe", help="recipe (each recipe's own size) or a size for all")
+    args = ap.parse_args(argv)
+    try:
+        jobs = workflow_matrix(args.pattern, args.runner, runner_labels(os.environ.get("MTPCONVERT_RUNNER_LABELS", "")))
+    except OptionsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("include=" + json.dumps(jobs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

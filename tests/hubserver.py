@@ -2,7 +2,9 @@
 
 Serves repos from memory: model info (``/api/models/{repo}/revision/{rev}``), file
 resolution with HEAD + ranged GET (``/{repo}/resolve/{rev}/{path}``), repo creation,
-preupload and commit (NDJSON, files inline as base64). Every request is logged so tests
+preupload, the LFS batch API with basic ``PUT`` transfers (content-addressed by sha256, as the
+Hub: an object it holds gets no upload action), and commit (NDJSON: files inline as base64, or
+``lfsFile`` lines naming an uploaded object). Every request is logged so tests
 can assert what was asked for; faults (401, 404, dropped connections) are injectable.
 """
 
@@ -13,6 +15,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,10 +43,23 @@ class FakeHub:
         self.repos: Dict[str, Repo] = {}
         self.log: List[Request] = []
         self.drop_after: Dict[str, int] = {}  # filename -> bytes to send before cutting the connection once
+        self.bytes_per_s: Optional[float] = None  # throttle file downloads (GET without a Range) to this rate
         self.created: List[dict] = []
         self.validated_yaml: List[str] = []
+        self.fail_commits = False  # commits answer 403: an upload that fails after the repo was created
+        self.lfs: Dict[str, Dict[str, bytes]] = {}  # repo -> sha256 -> uploaded LFS object (committed or not)
+        self.lfs_puts: List[str] = []  # oids whose bytes were sent, in order
+        self.fail_lfs_puts_after: Optional[int] = None  # PUTs accepted before every later one answers 403
+        self._digests: Dict[tuple, tuple] = {}
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def digest(self, data, algo: str) -> str:
+        """A file's sha1/sha256, computed once per file object (large served files are hashed on every request otherwise)."""
+        key = (id(data), len(data), algo)
+        if key not in self._digests:
+            self._digests[key] = (data, hashlib.new(algo, data).hexdigest())
+        return self._digests[key][1]
 
     @property
     def url(self) -> str:
@@ -120,7 +136,7 @@ class FakeHub:
                     if repo is None:
                         return
                     prefix = (m.group(3) or "").strip("/")
-                    entries = [{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                    entries = [{"type": "file", "path": n, "size": len(b), "oid": hub.digest(b, "sha1")}
                                for n, b in sorted(repo.files.items())
                                if (n.rsplit("/", 1)[0] if "/" in n else "") == prefix]
                     return self._json(entries)
@@ -129,7 +145,7 @@ class FakeHub:
                     repo = self._repo(m.group(1))
                     if repo is None:
                         return
-                    siblings = [{"rfilename": n, "size": len(b), "blobId": hashlib.sha1(b).hexdigest()}
+                    siblings = [{"rfilename": n, "size": len(b), "blobId": hub.digest(b, "sha1")}
                                 for n, b in sorted(repo.files.items())]
                     return self._json({"id": m.group(1), "modelId": m.group(1), "sha": repo.sha,
                                        "siblings": siblings, "private": bool(repo.private_token), "tags": []})
@@ -162,7 +178,7 @@ class FakeHub:
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.send_header("X-Repo-Commit", repo.sha)
-                self.send_header("ETag", '"' + hashlib.sha256(repo.files[name]).hexdigest() + '"')
+                self.send_header("ETag", '"' + hub.digest(repo.files[name], "sha256") + '"')
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{start + len(data) - 1}/{len(repo.files[name])}")
                 self.end_headers()
@@ -174,7 +190,20 @@ class FakeHub:
                     self.wfile.flush()
                     self.close_connection = True
                     return
+                if hub.bytes_per_s and not rng:
+                    return self._trickle(data, hub.bytes_per_s)
                 self.wfile.write(data)
+
+            def _trickle(self, data: bytes, rate: float, chunk: int = 4096):
+                """Send ``data`` at ``rate`` bytes/s; stop quietly when the client hangs up."""
+                for i in range(0, len(data), chunk):
+                    try:
+                        self.wfile.write(data[i:i + chunk])
+                        self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        self.close_connection = True
+                        return
+                    time.sleep(chunk / rate)
 
             def do_POST(self):
                 self._record()
@@ -190,11 +219,24 @@ class FakeHub:
                     hub.validated_yaml.append(json.loads(body).get("content", ""))
                     return self._json({"errors": [], "warnings": []})
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/preupload/([^/]+)$", path)
-                if m:
+                if m:  # like the Hub's default .gitattributes: safetensors and files of 10 MB or more go to LFS
                     files = json.loads(body).get("files", [])
-                    return self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                    mode = lambda f: "lfs" if f["path"].endswith(".safetensors") or f["size"] >= 10 << 20 else "regular"  # noqa: E731
+                    return self._json({"files": [{"path": f["path"], "uploadMode": mode(f), "shouldIgnore": False}
                                                  for f in files], "commitOid": hub.repos[m.group(1)].sha})
+                m = re.match(r"^/([^/]+/[^/]+)\.git/info/lfs/objects/batch$", path)
+                if m:
+                    objects = []
+                    for o in json.loads(body)["objects"]:
+                        entry = {"oid": o["oid"], "size": o["size"]}
+                        if o["oid"] not in hub.lfs.get(m.group(1), {}):  # no action: the Hub has this object
+                            href = f"{hub.url}/lfs-upload/{m.group(1)}/{o['oid']}"
+                            entry["actions"] = {"upload": {"href": href, "header": {}}}
+                        objects.append(entry)
+                    return self._json({"transfer": "basic", "objects": objects})
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/commit/([^/]+)$", path)
+                if m and hub.fail_commits:
+                    return self._json({"error": "You have no write access to this repository", "code": "Forbidden"}, 403)
                 if m:
                     repo = self._repo(m.group(1))
                     if repo is None:
@@ -207,10 +249,32 @@ class FakeHub:
                         elif line["key"] == "file":
                             v = line["value"]
                             commit["files"][v["path"]] = base64.b64decode(v["content"])
+                        elif line["key"] == "lfsFile":
+                            v = line["value"]
+                            if v["oid"] not in hub.lfs.get(m.group(1), {}):
+                                return self._json({"error": f"LFS object {v['oid']} for {v['path']} was never uploaded",
+                                                   "code": "BadRequest"}, 400)
+                            commit["files"][v["path"]] = hub.lfs[m.group(1)][v["oid"]]
                     repo.commits.append(commit)
                     repo.files.update(commit["files"])
                     return self._json({"commitUrl": f"{hub.url}/{m.group(1)}/commit/abc", "commitOid": "abc" * 13 + "a",
                                        "success": True})
                 return self._json({"error": "unsupported"}, 404)
+
+            def do_PUT(self):
+                self._record()
+                body = self._body()
+                m = re.match(r"^/lfs-upload/([^/]+/[^/]+)/([0-9a-f]{64})$", self.path.split("?")[0])
+                if not m:
+                    return self._json({"error": "not found"}, 404)
+                if hub.fail_lfs_puts_after is not None and len(hub.lfs_puts) >= hub.fail_lfs_puts_after:
+                    return self._json({"error": "storage refused the object", "code": "Forbidden"}, 403)
+                if hashlib.sha256(body).hexdigest() != m.group(2):
+                    return self._json({"error": "sha256 mismatch", "code": "BadRequest"}, 400)
+                hub.lfs.setdefault(m.group(1), {})[m.group(2)] = body
+                hub.lfs_puts.append(m.group(2))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
         return Handler

@@ -1,12 +1,16 @@
 """The CLI: exit codes, --json, refusal to clobber, nothing half-written."""
 
 import json
+import re
+import shlex
 
 import pytest
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app
+from mtpconvert.execute.resume import RESUME_DIR
 from mtpconvert.fixture import fixture_path
+from mtpconvert.verify import verify
 
 runner = CliRunner()
 
@@ -62,13 +66,30 @@ def test_failed_conversion_leaves_nothing(tmp_path):
     assert result.exit_code == 1 and json.loads(result.stdout)["findings"][0]["code"] == "mtp-missing"
 
 
-def test_convert_runs_smoke_and_a_failing_head_leaves_nothing(raw_checkpoints, tmp_path):
-    """Random weights draft nothing useful: the smoke check fails before OUT is committed."""
+def resume_command(output: str) -> list:
+    """The arguments of the resume command an error message gives (after 'resume with: ')."""
+    line = next(line for line in output.splitlines() if "resume with: " in line)
+    words = shlex.split(line.split("resume with: ", 1)[1])
+    assert words[0] == "mtpconvert"
+    return words[1:]
+
+
+def test_convert_runs_smoke_and_a_failing_head_keeps_the_shards_for_resume(raw_checkpoints, tmp_path):
+    """Random weights draft nothing useful: the smoke check fails before OUT is committed, the
+    finished shards stay, and the command the message gives (--resume --no-smoke, same options)
+    commits them without rewriting any."""
     src = raw_checkpoints("dense-vlm").path
     out = tmp_path / "out"
-    result = runner.invoke(app, ["convert", str(src), str(out), "--dtype", "float32"])
-    assert result.exit_code != 0 and "MTP smoke test failed" in result.output
-    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    result = runner.invoke(app, ["convert", str(src), str(out), "--dtype", "float32", "--smoke-mode", "full"])
+    assert result.exit_code == 2 and "MTP smoke test failed (full)" in result.output, result.output
+    assert not out.exists() and (tmp_path / ".out.partial" / RESUME_DIR).is_dir()
+    args = resume_command(result.output)
+    assert args == ["convert", str(src), str(out), "--dtype", "float32", "--resume", "--no-smoke", "--smoke-mode",
+                    "full"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 reused after checking" in result.output and verify(out).ok  # the model shard and mtp.safetensors
+    assert not (tmp_path / ".out.partial").exists() and not (out / RESUME_DIR).exists()
 
 
 def test_convert_fixture_passes_smoke_then_bench_json(tmp_path):
@@ -90,8 +111,37 @@ def test_convert_fixture_passes_smoke_then_bench_json(tmp_path):
     r = rows["post-norm", 2]
     assert r["mtp"]["acceptance"] > 0.8 and len(r["mtp"]["acceptance_by_depth"]) == 2
     assert r["plain"]["decode_tok_per_s"] > 0 and r["speedup"] > 0 and r["costs"]["beta"] > 0
+    # plain = mlx-lm's generate_step, our loop only a cross-check; greedy MTP output equals mlx-lm's
+    assert report["baseline"] == r["plain"]["decoder"] == "mlx_lm.generate.generate_step"
+    assert r["plain_loop"]["decode_tok_per_s"] > 0 and r["speedup_vs_plain_loop"] > 0
+    assert r["plain"]["emitted"] == r["mtp"]["emitted"] == 2 * 24 and r["greedy_identical_to_mlx_lm"]
     result = runner.invoke(app, ["bench", str(out), "--depth", "0"])
     assert result.exit_code == 2
+    # the table, piped (not a terminal, 80 columns): every cell printed whole, the speedup column included
+    table = runner.invoke(app, ["bench", str(out), "--max-tokens", "8", "-p", fixture_prompts(1)[0]],
+                          env={"COLUMNS": "80"})
+    assert table.exit_code == 0, table.output
+    rows = [line for line in table.stdout.splitlines() if line.startswith("│ post") or line.startswith("│ pre")]
+    assert len(rows) == 2 and "…" not in table.stdout, table.stdout
+    assert all(re.search(r"│ +\d+\.\d\dx │", row) for row in rows), rows
+
+
+def test_a_table_in_a_terminal_folds_instead_of_cutting_cells():
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from mtpconvert.cli.render import print_whole
+
+    table = Table()
+    for i in range(11):
+        table.add_column(f"column {i}", justify="right")
+    table.add_row(*[f"{i}.98x" for i in range(11)])
+    screen = Console(file=io.StringIO(), force_terminal=True, width=70, color_system=None)
+    print_whole(table, screen)
+    text = screen.file.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 70, text
 
 
 @pytest.mark.parametrize("args, message", [
@@ -211,3 +261,69 @@ def test_convert_warns_for_each_runtime_the_mtp_precision_shuts_out(tmp_path, mo
     assert "warning" not in keep and "mlx-lm-pr990" in keep
     bits8 = printed(default_layout(tmp_path, "bits8", bits=8, quant=Q4), QuantOptions(bits=4, mtp_bits=8))
     assert "--mtp-bits 8: vllm-mlx cannot use this head: ValueError: [dequantize]" in bits8
+
+
+def _commands(group, path=()):
+    """(argv prefix, click command) for every command under ``group``, groups included."""
+    yield list(path), group
+    for name, cmd in getattr(group, "commands", {}).items():  # typer's own click: no isinstance(click.Group)
+            yield from _commands(cmd, (*path, name))
+
+
+def _examples(epilog: str):
+    import shlex
+
+    return [shlex.split(line, comments=True)[1:] for line in (epilog or "").splitlines()
+            if line.strip().startswith("mtpconvert ")]
+
+
+def test_help_pages_show_no_bool_type_and_every_option_has_one_line_of_help():
+    import typer
+
+    for path, cmd in _commands(typer.main.get_command(app)):
+        result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (path, result.output)
+        assert "<bool>" not in result.output, path
+        for param in cmd.params:
+            if param.param_type_name == "option" or getattr(param, "help", None) is not None:
+                help_text = (param.help or "").strip()
+                assert help_text and "\n" not in help_text, (path, param.name)
+
+
+def test_every_command_shows_examples_that_parse():
+    """Each command's help ends in examples; each example is accepted by that command's own parser."""
+    import typer
+
+    root = typer.main.get_command(app)
+    for path, cmd in _commands(root):
+        if hasattr(cmd, "commands"):
+            continue
+        examples = _examples(cmd.epilog)
+        assert (cmd.epilog or "").startswith("Examples:") and examples, path
+        for argv in examples:
+            assert argv[:len(path)] == path, (path, argv)
+            with cmd.make_context(" ".join(path), argv[len(path):], resilient_parsing=False) as ctx:
+                assert ctx.params is not None
+
+
+def test_smoke_and_bench_name_a_truncated_shard(tmp_path):
+    out = tmp_path / "fx"
+    assert runner.invoke(app, ["convert", str(fixture_path("dense")), str(out), "--no-smoke"]).exit_code == 0
+    shard = next(out.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-4096])  # an interrupted copy
+    for command in ("smoke", "bench"):
+        result = runner.invoke(app, [command, str(out)], env={"COLUMNS": "300"})
+        assert result.exit_code == 2, (command, result.output)
+        assert shard.name in result.output and "internal error" not in result.output, result.output
+
+
+def test_ctrl_c_in_the_demo_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    from mtpconvert import demo
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "execute", interrupted)  # Ctrl-C while the first conversion runs
+    assert demo.run(["--out", str(tmp_path / "demo")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err

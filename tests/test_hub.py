@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -21,6 +22,8 @@ def hub(tmp_path, monkeypatch, raw_checkpoints):
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
         monkeypatch.delenv("HF_TOKEN", raising=False)
+        # hf_xet is installed: without this, uploads would go to a Xet storage this server does not speak
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)
         # the fixture as the hub serves it, plus files a conversion must not fetch
         src = tmp_path / "served"
         shutil.copytree(fixture_path("dense"), src)
@@ -109,7 +112,7 @@ def test_private_repo_with_token_and_token_never_leaks(hub, tmp_path):
     card = uploaded["README.md"].decode()
     assert "library_name: mlx" in card and "base_model: Org/Private" in card and "- mtp" in card
     sha = hub.repos["Org/Private"].sha
-    assert f"pull-and-quantize Org/Private --revision {sha} --bits 8 --group-size 32" in card
+    assert f"pull-and-quantize Org/Private tiny-mtp-8bit --revision {sha} --bits 8 --group-size 32" in card
     assert "--token" not in card, card
     assert "8-bit, group 32" in card and "%" in card
     assert hub.validated_yaml and "library_name: mlx" in hub.validated_yaml[0]
@@ -141,7 +144,6 @@ def test_unreachable_hub_gives_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_recipe_run_against_the_hub(hub, tmp_path):
-    from pathlib import Path
 
     hub.add_folder("Qwen/Qwen3.5-27B", fixture_path("dense"))  # the fixture stands in for the real release
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "Qwen3.5-27B-8bit-bf16.toml"
@@ -149,6 +151,14 @@ def test_recipe_run_against_the_hub(hub, tmp_path):
     assert result.exit_code == 0, result.output
     assert "pull-and-quantize Qwen/Qwen3.5-27B --revision main --bits 8" in result.output.replace("\n", "")
     assert "model.safetensors" in result.output
+
+
+def test_recipe_run_by_bundled_name_outside_the_checkout(hub, tmp_path, monkeypatch):
+    hub.add_folder("Qwen/Qwen3.5-27B", fixture_path("dense"))
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["recipe", "run", "Qwen3.5-27B-8bit-bf16", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "pull-and-quantize Qwen/Qwen3.5-27B --revision main --bits 8" in result.output.replace("\n", "")
 
 
 def test_recipe_run_exit_code_follows_the_conversion(hub, tmp_path):
@@ -320,4 +330,145 @@ def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkey
     result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MoE", str(out), "--stream", "--no-smoke"])
     assert result.exit_code != 0
     assert victim in result.output
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == [".out.lock"]
+
+
+# ------------------------------------------------------------ --stream --upload-repo (hub/publish.py)
+
+PUBLISH_ARGS = ["--bits", "4", "--group-size", "32", "--max-shard-size", "0.00003"]
+
+
+def five_shard_moe(hub, tmp_path, repo="Qwen/Five-Pub"):
+    from checkpoints import build
+
+    src = reshard(build(tmp_path / "one", moe=True, experts="published35", dtype="bfloat16", seed=3).path,
+                  tmp_path / "five", 5)
+    hub.add_folder(repo, src)
+    return repo
+
+
+def shards_holding_data(folder: Path) -> int:
+    """Model shards in ``folder`` whose bytes are on disk (a header stub holds one block or two)."""
+    return sum(1 for p in folder.glob("model-*.safetensors") if p.stat().st_blocks * 512 > 16 * 1024)
+
+
+class Counts(list):
+    stop = None
+
+
+def watch_output_shards(monkeypatch, partial: Path) -> Counts:
+    """Count the shards holding data in the partial folder at every shard handed to the publisher and every
+    stub, and every 2 ms in between."""
+    import threading
+
+    from mtpconvert.hub import publish
+
+    counts, done = Counts(), threading.Event()
+
+    def poll():
+        while not done.is_set():
+            if partial.exists():
+                counts.append(shards_holding_data(partial))
+            done.wait(0.002)
+
+    real_finished, real_stub = publish.ShardPublisher.finished, publish.stub_in_place
+
+    def finished(self, shard, path, fingerprint):
+        counts.append(shards_holding_data(partial))
+        real_finished(self, shard, path, fingerprint)
+
+    def stub(path):
+        counts.append(shards_holding_data(partial))
+        real_stub(path)
+
+    monkeypatch.setattr(publish.ShardPublisher, "finished", finished)
+    monkeypatch.setattr(publish, "stub_in_place", stub)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    counts.stop = lambda: (done.set(), poller.join())
+    return counts
+
+
+def test_streamed_publish_equals_a_plain_upload_and_keeps_two_output_shards(hub, tmp_path, monkeypatch):
+    """--stream --upload-repo --no-smoke: the repo gets the same bytes as convert-then-upload, in one commit;
+    each shard is sent once (the MTP head once for its two paths); at most two output shards hold data
+    locally at any time; OUT keeps the small files and the head, not the stubs."""
+    import hashlib
+
+    repo = five_shard_moe(hub, tmp_path)
+    counts = watch_output_shards(monkeypatch, tmp_path / ".streamed.partial")
+    result = runner.invoke(app, ["pull-and-quantize", repo, str(tmp_path / "streamed"), "--stream", "--no-smoke",
+                                 "--upload-repo", "a/tiny", *PUBLISH_ARGS])
+    counts.stop()
+    assert result.exit_code == 0, result.output
+    streamed = hub.repos["a/tiny"]
+    model_shards = [n for n in streamed.files if n.startswith("model-")]
+    assert len(model_shards) >= 5, model_shards
+    assert len(streamed.commits) == 1
+    assert counts and max(counts) <= 2 and max(counts) >= 1, counts  # the watch saw real shards
+    sent = hub.lfs_puts
+    assert len(sent) == len(set(sent))  # nothing sent twice
+    head = hashlib.sha256(streamed.files["mtp.safetensors"]).hexdigest()
+    assert sent.count(head) == 1 and streamed.files["mtp/weights.safetensors"] == streamed.files["mtp.safetensors"]
+    local = tmp_path / "streamed"
+    assert not list(local.glob("model-*.safetensors")) and (local / "mtp.safetensors").is_file()
+    assert (local / "config.json").read_bytes() == streamed.files["config.json"]
+
+    plain = tmp_path / "plain"
+    assert runner.invoke(app, ["pull-and-quantize", repo, str(plain), "--no-smoke", *PUBLISH_ARGS]).exit_code == 0
+    result = runner.invoke(app, ["upload", str(plain), "b/tiny", "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    uploaded = hub.repos["b/tiny"].files
+    assert set(uploaded) == set(streamed.files)
+    for name in uploaded:
+        if name == "README.md":  # the card names its repo
+            assert streamed.files[name].replace(b"a/tiny", b"b/tiny") == uploaded[name]
+        else:
+            assert streamed.files[name] == uploaded[name], name
+
+
+def test_streamed_publish_failure_leaves_no_commit_and_a_retry_completes(hub, tmp_path):
+    """An upload refused mid-way fails the run with the file's name and no commit; the shards stay with the
+    resume command. ``--resume`` rebuilds nothing already delivered and re-sends nothing; a retry from
+    scratch (a fresh CI runner) converts again but the Hub answers that it has every shard."""
+    repo = five_shard_moe(hub, tmp_path)
+    out = tmp_path / "out"
+    args = ["pull-and-quantize", repo, str(out), "--stream", "--no-smoke", "--upload-repo", "me/pub", *PUBLISH_ARGS]
+    hub.fail_lfs_puts_after = 2
+    failed = runner.invoke(app, args)
+    assert failed.exit_code == 2, failed.output
+    assert "model-00003" in failed.output and "--resume" in failed.output, failed.output
+    assert hub.repos["me/pub"].commits == [] and not out.exists()
+    first = list(hub.lfs_puts)
+    assert len(first) == 2
+
+    hub.fail_lfs_puts_after = None
+    retried = runner.invoke(app, [*args, "--resume"])
+    assert retried.exit_code == 0, retried.output
+    assert not set(hub.lfs_puts[2:]) & set(first)  # delivered shards were neither rebuilt nor sent again
+    assert len(hub.repos["me/pub"].commits) == 1
+    files = hub.repos["me/pub"].files
+    index = json.loads(files["model.safetensors.index.json"])
+    assert set(index["weight_map"].values()) <= set(files)
+
+    before = len(hub.lfs_puts)
+    fresh = runner.invoke(app, ["pull-and-quantize", repo, str(tmp_path / "fresh"), "--stream", "--no-smoke",
+                                "--upload-repo", "me/pub", *PUBLISH_ARGS])
+    assert fresh.exit_code == 0, fresh.output
+    assert hub.lfs_puts[before:] == []  # the Hub holds every object: nothing re-sent
+    assert len(hub.repos["me/pub"].commits) == 2 and hub.repos["me/pub"].files == files
+
+
+def test_streamed_publish_with_the_smoke_keeps_the_shards_until_it_passed(hub, tmp_path):
+    """With the smoke on, shards are pre-uploaded as they finish but kept (the smoke reads them); the
+    card carries the measured acceptance."""
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--stream", "--upload-repo",
+                                 "me/smoked", "--bits", "8", "--group-size", "32", "--max-shard-size", "0.0001"])
+    assert result.exit_code == 0, result.output
+    repo = hub.repos["me/smoked"]
+    shards = sorted(n for n in repo.files if n.startswith("model-"))
+    assert len(shards) >= 2 and len(repo.commits) == 1
+    assert all((out / n).read_bytes() == repo.files[n] for n in shards)
+    card = repo.files["README.md"].decode()
+    assert "| smoke (greedy MTP draft acceptance, depth 1) | not run |" not in card and "%" in card

@@ -1,14 +1,17 @@
 """Every recipe parses and names a valid configuration; the publish workflow is well formed."""
 
+import json
+import os
+import subprocess
 from pathlib import Path
+import yaml
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app
 from mtpconvert.errors import OptionsError
-from mtpconvert.recipes import list_recipes, load_recipe
+from mtpconvert.recipes import RUNNERS, list_recipes, load_recipe, runner_labels, workflow_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -53,14 +56,102 @@ def test_recipe_cli_list_and_dry_run(tmp_path, monkeypatch):
     assert result.exit_code == 0 and "Qwen3.5-397B" in result.output
 
 
-def test_publish_workflow():
+def test_the_checkouts_recipes_are_the_bundled_ones():
+    """recipes/ in a checkout (README, CI) and the package's copy are one folder, so they cannot drift."""
+    from mtpconvert.recipes import BUNDLED
+
+    assert (ROOT / "recipes").resolve() == BUNDLED.resolve()
+    assert BUNDLED.is_relative_to(ROOT / "mtpconvert") and len(list(BUNDLED.glob("*.toml"))) >= 18
+
+
+def test_recipe_list_outside_the_checkout_lists_the_bundled_recipes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here
+    result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert result.output.count("Qwen/Qwen3.5-397B-A17B") == 4 and "Qwen3.6-27B-4bit-bf16.toml" in result.output
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_recipe_list_of_a_folder_without_recipes_is_an_error(tmp_path, make):
+    folder = tmp_path / "nowhere"
+    if make == "empty":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("not a recipe")
+    result = runner.invoke(app, ["recipe", "list", "--dir", str(folder)], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert str(folder) in result.output and "Traceback" not in result.output
+
+
+def test_find_recipe_by_bundled_name_or_path(tmp_path, monkeypatch):
+    from mtpconvert.recipes import BUNDLED, find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    assert find_recipe("Qwen3.5-27B-4bit-bf16") == BUNDLED / "Qwen3.5-27B-4bit-bf16.toml"
+    assert find_recipe("Qwen3.5-27B-4bit-bf16.toml") == BUNDLED / "Qwen3.5-27B-4bit-bf16.toml"
+    own = tmp_path / "Qwen3.5-27B-4bit-bf16.toml"  # a file of the same name here wins: it is what was named
+    own.write_text('repo = "Qwen/Qwen3.5-27B"\n')
+    assert find_recipe(Path("Qwen3.5-27B-4bit-bf16.toml")) == Path("Qwen3.5-27B-4bit-bf16.toml")
+    with pytest.raises(OptionsError, match="no recipe"):
+        find_recipe("sub/Qwen3.5-27B-4bit-bf16.toml")  # a path that does not exist is not looked up by name
+    with pytest.raises(OptionsError, match="no recipe"):
+        find_recipe("Qwen9-1B")
+
+
+def test_every_recipe_runs_on_a_runner_with_the_disk_it_needs():
+    """--stream keeps two raw shards; the output is whole on disk until it is uploaded."""
+    for r in list_recipes(ROOT / "recipes"):
+        assert r.runner in RUNNERS and r.runner in r.path.read_text(), r.path.name
+        assert RUNNERS[r.runner].disk_gb >= r.disk_needed_gb(), (r.path.name, r.runner, r.disk_needed_gb())
+    sizes = {r.path.name: r.runner for r in list_recipes(ROOT / "recipes")}
+    assert sizes["Qwen3.5-27B-4bit-bf16.toml"] == "large"  # 15 GB of output: more than the standard 14 GB free
+    assert sizes["Qwen3.5-397B-A17B-8bit-bf16.toml"] == "2xlarge"
+
+
+def test_unknown_runner_is_refused(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('repo = "Qwen/Qwen3.5-27B"\nrunner = "huge"\n')
+    with pytest.raises(OptionsError, match="runner must be one of standard, large") as e:
+        load_recipe(f)
+    assert e.value.key == "runner"
+
+
+def test_workflow_matrix(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    jobs = workflow_matrix("recipes/Qwen3.5-27B-4bit-*.toml")
+    assert jobs == [{"recipe": f"recipes/Qwen3.5-27B-4bit-{d}.toml", "size": "large", "runs_on": RUNNERS["large"].label}
+                    for d in ("bf16", "fp16")]
+    labels = runner_labels('{"xlarge": "org-8core"}')
+    assert workflow_matrix("recipes/Qwen3.5-27B-4bit-bf16.toml", "xlarge", labels)[0]["runs_on"] == "org-8core"
+    with pytest.raises(OptionsError):
+        workflow_matrix("recipes/nothing-*.toml")
+    with pytest.raises(OptionsError):
+        runner_labels('{"giant": "x"}')
+
+
+def test_publish_workflow(tmp_path):
     wf = yaml.safe_load((ROOT / ".github" / "workflows" / "publish.yml").read_text())
+    on = wf.get("on", wf.get(True))  # PyYAML reads the bare key `on` as True
+    runner_input = on["workflow_dispatch"]["inputs"]["runner"]
+    assert runner_input["options"] == ["recipe", *RUNNERS] and runner_input["default"] == "recipe"
     jobs = wf["jobs"]
     publish = jobs["publish"]
-    assert publish["needs"] == "matrix"
-    assert publish["strategy"]["matrix"]["recipe"] == "${{ fromJson(needs.matrix.outputs.recipes) }}"
+    assert publish["needs"] == "matrix" and publish["runs-on"] == "${{ matrix.runs_on }}"
+    assert publish["strategy"]["matrix"]["include"] == "${{ fromJson(needs.matrix.outputs.include) }}"
     assert publish["env"]["HF_TOKEN"] == "${{ secrets.HF_TOKEN }}"
     steps = " ".join(s.get("run", "") for s in publish["steps"])
-    assert "mtpconvert" in steps and "recipe run" in steps
+    assert "mtpconvert" in steps and "recipe run" in steps and "--stream" in steps
     assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in publish["steps"])
-    assert True in wf or "on" in wf  # PyYAML reads the bare key `on` as True
+
+    # the matrix step's command, as the workflow runs it (before anything is installed)
+    step = next(s for s in jobs["matrix"]["steps"] if s.get("id") == "list")
+    assert step["env"]["PYTHONPATH"] == "."
+    command = step["run"].split(">>")[0].replace("${GLOB}", "Qwen3.5-397B-A17B-4bit-*").replace("$RUNNER", "recipe")
+    out = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": "."})
+    assert out.returncode == 0, out.stderr
+    include = json.loads(out.stdout.removeprefix("include="))
+    assert [j["size"] for j in include] == ["xlarge", "xlarge"]
+
+    # recipe run takes what the workflow passes it
+    result = runner.invoke(app, ["recipe", "run", "--help"])
+    assert "--stream" in result.output and "--resume" in result.output

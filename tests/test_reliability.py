@@ -27,6 +27,18 @@ from mtpconvert.verify import verify
 runner = CliRunner()
 
 
+def lock_is_free(path) -> bool:
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return False
+    lock.release()
+    return True
+
+
 def copy_of(raw_checkpoints, tmp_path, name="dense-sharded-tied"):
     dst = tmp_path / "src"
     shutil.copytree(raw_checkpoints(name).path, dst)
@@ -61,7 +73,7 @@ def test_interrupt_leaves_nothing_at_out_and_resume_reuses_checked_shards(raw_ch
         execute(plan, ckpt, out, progress=interrupt)
     assert not out.exists()
     partial = tmp_path / ".out.partial"
-    assert partial.exists() and not (tmp_path / ".out.lock").exists()
+    assert partial.exists() and lock_is_free(tmp_path / ".out.lock")
     done = sorted(p.name for p in (partial / RESUME_DIR).iterdir())
     assert done, "some shards finished before the interruption"
 
@@ -125,7 +137,7 @@ sys.exit(run(["convert", {str(src)!r}, {str(out)!r}, "--no-smoke"]))
     proc.terminate()
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert "interrupted" in err and not out.exists() and not (tmp_path / ".out.lock").exists()
+    assert "interrupted" in err and not out.exists() and lock_is_free(tmp_path / ".out.lock")
 
 
 # ---------------------------------------------------------------- disk full, locks
@@ -148,26 +160,60 @@ def test_disk_full_gives_clear_error_and_removes_temp(raw_checkpoints, tmp_path,
     out = tmp_path / "out"
     result = runner.invoke(app, ["convert", str(src), str(out), "--no-smoke"])
     assert result.exit_code != 0 and "disk full" in result.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no OUT, no partial, no lock
+    # no OUT, no partial (no shard was finished); the lock file stays, free (io/output_folder.py says why)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.lock", "src"] and lock_is_free(tmp_path / ".out.lock")
     assert tree_digest(src) == before
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from mtpconvert.io.output_folder import OutputFolder
+from mtpconvert.errors import OutputError
+out, go = Path(sys.argv[1]), Path(sys.argv[2])
+print("ready", flush=True)
+while not go.exists():  # every contender starts at once
+    time.sleep(0.005)
+try:
+    folder = OutputFolder(out, resume=True).__enter__()
+except OutputError as e:
+    print("refused", e.detail, flush=True)
+    sys.exit(0)
+print("holding", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
 
 
 def test_second_run_on_the_same_out_is_refused(raw_checkpoints, tmp_path):
     src = raw_checkpoints("dense-vlm").path
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    go = tmp_path / "go"
+    go.touch()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out), str(go), "60"], stdout=subprocess.PIPE,
+                              text=True)
     try:
-        (tmp_path / ".out.lock").write_text(str(holder.pid))
+        assert [holder.stdout.readline().strip() for _ in range(2)] == ["ready", "holding"]
         result = runner.invoke(app, ["convert", str(src), str(out), "--no-smoke"])
-        assert result.exit_code != 0 and f"pid {holder.pid}" in result.output
-        assert not out.exists() and (tmp_path / ".out.lock").read_text() == str(holder.pid)
+        assert result.exit_code == 2 and "another mtpconvert process is writing this output" in result.output
+        assert not out.exists()
     finally:
-        holder.kill()
+        holder.kill()  # killed outright: the kernel drops its lock, nothing stale is left to take over
         holder.wait()
-    # the holder is gone: its lock is stale and the next run proceeds
     result = runner.invoke(app, ["convert", str(src), str(out), "--no-smoke"])
     assert result.exit_code == 0, result.output
-    assert not (tmp_path / ".out.lock").exists()
+
+
+def test_racing_runs_over_a_stale_lock_file_one_wins(tmp_path):
+    """A lock file left by a killed run (here: the PID file of an older version) is no lock; runs
+    that start at the same moment get it one at a time, never two at once."""
+    out, go = tmp_path / "out", tmp_path / "go"
+    (tmp_path / ".out.lock").write_text("999999999")
+    contenders = [subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out), str(go), "3"], stdout=subprocess.PIPE,
+                                   text=True) for _ in range(12)]
+    assert all(c.stdout.readline().strip() == "ready" for c in contenders)
+    go.touch()
+    said = [c.communicate(timeout=60)[0].strip() for c in contenders]
+    assert sorted(s.split()[0] for s in said) == ["holding"] + ["refused"] * 11, said
 
 
 # ---------------------------------------------------------------- hostile or inconsistent inputs
@@ -266,6 +312,8 @@ def test_verify_deep_names_non_finite_tensors(raw_checkpoints, tmp_path):
     findings = json.loads(result.stdout)["findings"]
     assert [(f["code"], f["key"]) for f in findings if f["severity"] == "error"] == [("non-finite", key)]
     assert "1 NaN" in findings[0]["message"]
+    text = runner.invoke(app, ["verify", str(out), "--deep"], env={"COLUMNS": "300"})
+    assert text.exit_code == 1 and f"[{key}]" in text.output, text.output  # not eaten as rich markup
 
 
 # ---------------------------------------------------------------- secrets

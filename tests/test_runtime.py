@@ -99,6 +99,7 @@ def test_greedy_mtp_output_is_plain_greedy(request, which, depth):
             assert spec == plain, f"{which} depth {depth} {hidden}"
             assert st.emitted == 40 and st.steps >= 40 // (depth + 1)
             total_rejected += sum(st.proposed) - sum(st.accepted)
+        assert mtp_generate(m, ids, 40, depth=depth, overlap=True)[0] == plain  # async_eval changes no value
     if which == "weak":
         assert total_rejected > 20  # the identity held through many rollbacks
 
@@ -219,3 +220,18 @@ def test_rollback_refuses_a_pass_longer_than_max_pass(good):
     rollback(cache, keep=3, length=3)  # keeping everything needs nothing
     with pytest.raises(ValueError, match="max_pass"):
         rollback(cache, keep=2, length=3)
+
+
+def test_mlx_lm_baseline_matches_plain_loop(tmp_path):
+    """The bench baseline is mlx-lm's generate_step: greedy, it decodes what our plain loop decodes;
+    sampled, the same seed gives the same tokens (mlx-lm draws from MLX's global seed)."""
+    from mtpconvert.runtime.baseline import mlx_lm_generate
+
+    out = tmp_path / "bf16"
+    convert_folder(fixture_path("dense"), out, dtype="bfloat16")
+    m = load(out)
+    ids = encode_prompts(out, fixture_prompts(1))[0]
+    tokens, stats = mlx_lm_generate(m, ids, 24)
+    assert tokens == plain_generate(m, ids, 24)[0] and stats.emitted == 24 and stats.decode_s > 0
+    warm = Sampling(temperature=0.8, top_p=0.9)
+    assert mlx_lm_generate(m, ids, 24, warm, seed=3)[0] == mlx_lm_generate(m, ids, 24, warm, seed=3)[0]

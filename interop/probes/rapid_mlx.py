@@ -72,16 +72,16 @@ def _free_port() -> int:
 class Server:
     """One ``rapid-mlx serve`` process on 127.0.0.1, started and stopped by this probe."""
 
-    def __init__(self, folder: Path, spec: bool, workdir: Path):
+    def __init__(self, folder: Path, spec: bool, workdir: Path, extra=()):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / ("serve-mtp.log" if spec else "serve-plain.log")
+        self.log_path = workdir / (("serve-mtp" + "".join(extra) if spec else "serve-plain") + ".log")
         exe = Path(sys.executable).with_name("rapid-mlx")
         cmd = [str(exe), "--no-telemetry", "serve", str(folder), "--host", "127.0.0.1", "--port", str(self.port),
                "--served-model-name", "probe", "--disable-model-downloads", "--disable-disk-caches",
                "--disable-prefix-cache", "--no-preflight"]
         if spec:
-            cmd += ["--speculative-config", json.dumps({"method": "mtp", "model": str(folder)})]
+            cmd += ["--speculative-config", json.dumps({"method": "mtp", "model": str(folder)}), *extra]
         home = workdir / "home"
         home.mkdir(exist_ok=True)
         env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), RAPID_MLX_TELEMETRY="0",
@@ -180,6 +180,45 @@ def _run(server: Server, texts, max_tokens: int, piece_ids: dict, ambiguous: set
     return tokens, first_lps, drafted, accepted, metrics
 
 
+def _run_spec(folder, workdir, texts, max_tokens, piece_ids, ambiguous, hits, result, extra) -> bool:
+    """One MTP server run; True when it should be run again with a fixed draft depth: the head was
+    injected and the MTP loop ran, but rapid-mlx's EV depth controller (a port of Ollama's
+    speculate_depth) parked the drafter (K=0: drafting did not pay in its timing on this host), so
+    no draft was verified. ``--mtp-disable-auto-k`` (its A/B benching switch) fixes the depth at
+    ``mtp_max_k``; the default run's status is kept in ``detail.auto_k``."""
+    spec = Server(folder, spec=True, workdir=workdir, extra=extra)
+    try:
+        ready = spec.wait_ready()
+        log = spec.log_text()
+        result["detail"]["mtp_log"] = _log_lines(log, ("[mtp.inject]", "MTP-vendored", "norm_shift", "spec decode"))
+        if extra:
+            result["detail"]["mtp_server_flags"] = list(extra)
+        if not ready:
+            result["error"] = "MTP server refused to boot: " + _refusal(log)
+            return False
+        result["head_found"] = "dispatch_mtp_inject succeeded" in log
+        mt, _lps, drafted, accepted, metrics = _run(spec, texts, max_tokens, piece_ids, ambiguous, hits)
+        result["mtp_tokens"], result["proposed"], result["accepted"] = mt, drafted, accepted
+        result["detail"]["speculative_decoding"] = metrics
+        status = spec.status().get("mtp_prompt_lookup")
+        result["detail"]["mtp_status"] = status
+        result["detail"]["mtp_log"] = _log_lines(spec.log_text(),
+                                                 ("[mtp.inject]", "MTP-vendored", "norm_shift", "spec decode"))
+        result["error"] = None
+        if all(m is None for m in metrics):
+            result["error"] = ("rapid-mlx answered every request without its MTP loop (no per-request "
+                               "speculative_decoding metrics); /v1/status mtp_prompt_lookup: "
+                               + json.dumps(status))[:1500]
+            parked = (isinstance(status, dict) and status.get("vendored_steps") and not status.get("verify_calls")
+                      and not status.get("fallthrough_steps"))
+            if parked and not extra:
+                result["detail"]["auto_k"] = {"parked": True, "mtp_status": status}
+                return True
+        return False
+    finally:
+        spec.stop()
+
+
 def body(folder: Path, prompts, max_tokens: int, result: dict) -> None:
     from importlib.metadata import version
 
@@ -210,27 +249,9 @@ def body(folder: Path, prompts, max_tokens: int, result: dict) -> None:
         finally:
             plain.stop()
 
-        spec = Server(folder, spec=True, workdir=workdir)
-        try:
-            ready = spec.wait_ready()
-            log = spec.log_text()
-            result["detail"]["mtp_log"] = _log_lines(log, ("[mtp.inject]", "MTP-vendored", "norm_shift", "spec decode"))
-            if not ready:
-                result["error"] = "MTP server refused to boot: " + _refusal(log)
-                return
-            result["head_found"] = "dispatch_mtp_inject succeeded" in log
-            mt, _lps, drafted, accepted, metrics = _run(spec, texts, max_tokens, piece_ids, ambiguous, hits)
-            result["mtp_tokens"], result["proposed"], result["accepted"] = mt, drafted, accepted
-            result["detail"]["speculative_decoding"] = metrics
-            result["detail"]["mtp_status"] = spec.status().get("mtp_prompt_lookup")
-            if all(m is None for m in metrics):
-                result["error"] = ("rapid-mlx answered every request without its MTP loop (no per-request "
-                                   "speculative_decoding metrics); /v1/status mtp_prompt_lookup: "
-                                   + json.dumps(result["detail"]["mtp_status"]))[:1500]
-            result["detail"]["mtp_log"] = _log_lines(spec.log_text(),
-                                                     ("[mtp.inject]", "MTP-vendored", "norm_shift", "spec decode"))
-        finally:
-            spec.stop()
+        for extra in ((), ("--mtp-disable-auto-k",)):
+            if not _run_spec(folder, workdir, texts, max_tokens, piece_ids, ambiguous, hits, result, extra):
+                break
     finally:
         result["detail"]["ambiguous_pieces"] = len(hits)
         if os.environ.get("MTPCONVERT_PROBE_KEEP_LOGS"):

@@ -14,6 +14,7 @@ from .. import api
 from ..errors import OptionsError
 from . import options as o
 from .errors import handled
+from .helpfmt import Command
 from .render import bench_table, report_table, runtimes_table
 
 console = Console(stderr=True)
@@ -39,14 +40,27 @@ BENCH_EPILOG = """Examples:
 """
 
 
+def _divergence(d) -> str:
+    margin = "" if d.margin is None else f", top-2 logit margin {d.margin:.3g}"
+    return f"prompt {d.prompt} token {d.position} ({d.plain_token} vs {d.mtp_token}{margin})"
+
+
 def print_smoke(result, to: Console) -> None:
     status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
     acc, prop = sum(result.mtp.accepted), sum(result.mtp.proposed)
+    # token identity is a diagnostic: near-ties may part a k+1-token verify pass from a 1-token step
     same = "identical to plain greedy" if result.identical else (
-        f"[red]differs from plain greedy[/red] on prompt(s) {result.mismatched_prompts}")
+        "[yellow]differs from plain greedy[/yellow] at " + "; ".join(map(_divergence, result.divergences)))
     to.print(f"MTP draft acceptance ({result.hidden}): {acc}/{prop} = {result.acceptance:.1%} "
              f"(floor {result.min_acceptance:.0%}), {result.mtp.tokens_per_step:.2f} tokens/step, output {same} "
              f"{status}", highlight=False)
+
+
+def print_layerwise(result, to: Console) -> None:
+    status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
+    to.print(f"MTP draft acceptance (layerwise, teacher-forced, {result.hidden}): {result.agreed}/{result.compared} "
+             f"= {result.acceptance:.1%} (floor {result.min_acceptance:.0%}) in {result.seconds:.0f} s {status}",
+             highlight=False)
 
 
 @handled
@@ -132,6 +146,6 @@ def bench(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify", epilog=VERIFY_EPILOG)(verify)
-    app.command(epilog=SMOKE_EPILOG)(smoke)
-    app.command(epilog=BENCH_EPILOG)(bench)
+    app.command("verify", cls=Command, epilog=VERIFY_EPILOG)(verify)
+    app.command(cls=Command, epilog=SMOKE_EPILOG)(smoke)
+    app.command(cls=Command, epilog=BENCH_EPILOG)(bench)

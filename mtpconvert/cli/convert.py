@@ -14,8 +14,10 @@ from .. import api
 from ..checks import Checks
 from ..compat import precision_warnings
 from ..errors import OptionsError
+from ..provenance import checked_repo_id
 from . import options as o
 from .errors import handled
+from .helpfmt import Command
 from .progress import rich_events
 from .render import human_bytes, plan_table, runtimes_table
 
@@ -24,7 +26,7 @@ out_console = Console()
 
 CONVERT_EPILOG = """Examples:
 
-  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dtype float16
+  mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dtype float16 --base-model Qwen/Qwen3.5-27B
 
   mtpconvert convert ~/models/Qwen3.5-27B out/ --bits 4 --dry-run --json
 """
@@ -37,16 +39,24 @@ PULL_EPILOG = """Examples:
 """
 
 
-def _checks(no_verify: bool, no_smoke: bool, min_acceptance: float) -> Checks:
-    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance)
+def _checks(no_verify: bool, no_smoke: bool, min_acceptance: float, smoke_mode: o.SmokeModeChoice) -> Checks:
+    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance,
+                  smoke_mode=smoke_mode.value)
+
+
+def print_checked_smoke(record, to: Console) -> None:
+    """The smoke's result, and which smoke ran and why."""
+    from .check import print_layerwise, print_smoke
+
+    if record.smoke is None:
+        return
+    to.print(f"smoke: {record.smoke_mode} ({record.smoke_reason})", highlight=False)
+    (print_layerwise if record.smoke_mode == "layerwise" else print_smoke)(record.smoke, to)
 
 
 def print_result(result: api.ConversionResult) -> None:
     record = result.checks
-    if record.smoke is not None:
-        from .check import print_smoke
-
-        print_smoke(record.smoke, console)
+    print_checked_smoke(record, console)
     for note in record.notes:
         console.print(note, highlight=False)
     reused = f", {result.shards_reused} reused after checking" if result.shards_reused else ""
@@ -72,6 +82,7 @@ def print_runtimes(result: api.ConversionResult) -> None:
 
 @handled
 def convert(
+    ctx: typer.Context,
     source: Annotated[Path, typer.Argument(help="Local checkpoint folder (raw Hugging Face or MLX).")],
     out: Annotated[Optional[Path], typer.Argument(help="Output folder (written atomically).", show_default=False)]
     = None,
@@ -90,7 +101,9 @@ def convert(
     resume: o.Resume = False,
     no_verify: o.NoVerify = False,
     no_smoke: o.NoSmoke = False,
+    smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    base_model: o.BaseModel = None,
 ):
     """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
     options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
@@ -108,13 +121,15 @@ def convert(
     if out is None:
         raise OptionsError("OUT is required unless --dry-run")
     with rich_events(console) as events:
-        result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance),
-                             overwrite=overwrite, resume=resume, events=events)
+        result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance, smoke_mode),
+                             overwrite=overwrite, resume=resume, events=events,
+                             extra_metadata={"source_repo": checked_repo_id(base_model)} if base_model else None)
     print_result(result)
 
 
 @handled
 def pull_and_quantize(
+    ctx: typer.Context,
     repo_id: Annotated[str, typer.Argument(help="Hub repository, e.g. Qwen/Qwen3.5-27B.")],
     out: Annotated[Optional[Path], typer.Argument(help="Output folder (default: ./<name>-<bits>bit-mtp-mlx).",
                                                   show_default=False)] = None,
@@ -142,9 +157,12 @@ def pull_and_quantize(
     overwrite: o.Overwrite = False,
     resume: o.Resume = False,
     no_smoke: o.NoSmoke = False,
+    smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
     upload_repo: Annotated[Optional[str], typer.Option("--upload-repo", help="Upload the result here, with a model "
-                                                       "card.", show_default=False)] = None,
+                                                       "card, in one commit. With --stream each shard is uploaded "
+                                                       "as it is written; with --no-smoke too it is then removed "
+                                                       "locally (disk: two output shards).", show_default=False)] = None,
     private: o.Private = False,
 ):
     """Download only what conversion needs, convert, quantize, verify, smoke-test; optionally upload."""
@@ -160,8 +178,8 @@ def pull_and_quantize(
     if as_json:
         raise OptionsError("--json needs --dry-run")
     with rich_events(console) as events:
-        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=_checks(False, no_smoke,
-                                                                                              min_acceptance),
+        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=_checks(False, no_smoke, min_acceptance,
+                                                                                              smoke_mode),
                                       stream=stream, cache_dir=cache_dir, local_dir=local_dir, token=token,
                                       timeout=timeout, overwrite=overwrite, resume=resume, upload_repo=upload_repo,
                                       private=private, events=events)
@@ -183,5 +201,5 @@ def print_pull_plan(pull, as_json: bool) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command(epilog=CONVERT_EPILOG)(convert)
-    app.command("pull-and-quantize", epilog=PULL_EPILOG)(pull_and_quantize)
+    app.command(cls=Command, epilog=CONVERT_EPILOG)(convert)
+    app.command("pull-and-quantize", cls=Command, epilog=PULL_EPILOG)(pull_and_quantize)

@@ -10,8 +10,10 @@ from rich.console import Console
 
 from .. import api
 from ..checks import Checks
+from ..provenance import checked_repo_id
 from . import options as o
 from .errors import handled
+from .helpfmt import Command
 from .progress import rich_events
 from .render import human_bytes
 
@@ -20,13 +22,15 @@ console = Console(stderr=True)
 UPLOAD_EPILOG = """Examples:
 
   mtpconvert upload out/ me/Qwen3.5-27B-4bit-mtp --private
+
+  mtpconvert upload out/ me/Qwen3.5-27B-4bit-mtp --base-model Qwen/Qwen3.5-27B   # a local conversion's source
 """
 
 ADD_MTP_EPILOG = """Examples:
 
   mtpconvert add-mtp Qwen/Qwen3.5-27B mlx-community-Qwen3.5-27B-4bit/
 
-  mtpconvert add-mtp ~/models/Qwen3.5-27B my-mlx-4bit/   (offline, from a local raw folder)
+  mtpconvert add-mtp ~/models/Qwen3.5-27B my-mlx-4bit/   # offline: the head from a local raw folder
 """
 
 
@@ -37,11 +41,13 @@ def upload(
     token: o.Token = None,
     private: o.Private = False,
     no_smoke: Annotated[bool, typer.Option("--no-smoke", help="Do not measure acceptance for the card.")] = False,
+    base_model: o.BaseModel = None,
 ):
     """Verify a folder, write its model card, and upload it with huggingface_hub."""
     with rich_events(console) as events:
         url = api.upload(path, repo_id, token=token, private=private,
-                         checks=Checks(smoke=not no_smoke, min_acceptance=0.0), events=events)
+                         checks=Checks(smoke=not no_smoke, min_acceptance=0.0), events=events,
+                         base_model=checked_repo_id(base_model))
     console.print(f"[green]uploaded[/green] {repo_id}: {url}")
 
 
@@ -63,16 +69,16 @@ def add_mtp(
     """Graft the MTP head onto an existing MLX folder (from the Hub, reading only the mtp.* byte ranges)."""
     with rich_events(console) as events:
         info = api.add_mtp(source_repo, mlx_dir, revision=revision, mtp=mtp.value, mtp_bits=mtp_bits, token=token,
-                           mtp_layout=mtp_layout.value, checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance), events=events)
-    if info["checks"].smoke is not None:
-        from .check import print_smoke
+                           mtp_layout=mtp_layout.value, checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance),
+                           events=events)
+    from .convert import print_checked_smoke
 
-        print_smoke(info["checks"].smoke, console)
+    print_checked_smoke(info["checks"], console)
     console.print(f"[green]added[/green] {info['added']} MTP tensors to {mlx_dir} from {source_repo}@"
                   f"{info['sha'][:12]} (read {human_bytes(info['fetched_bytes'])} of "
                   f"{human_bytes(info['source_bytes'])})")
 
 
 def register(app: typer.Typer) -> None:
-    app.command("upload", epilog=UPLOAD_EPILOG)(upload)
-    app.command("add-mtp", epilog=ADD_MTP_EPILOG)(add_mtp)
+    app.command("upload", cls=Command, epilog=UPLOAD_EPILOG)(upload)
+    app.command("add-mtp", cls=Command, epilog=ADD_MTP_EPILOG)(add_mtp)

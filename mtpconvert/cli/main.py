@@ -12,9 +12,14 @@ from rich.console import Console
 from .. import __version__
 from . import check, convert, hub, recipe
 from .errors import report
+from .helpfmt import Group
 
 app = typer.Typer(
+    cls=Group,
     help="Convert Qwen3.5/3.6 checkpoints to MLX with the Multi-Token-Prediction head kept.",
+    epilog="Examples:\n\n  mtpconvert pull-and-quantize Qwen/Qwen3.5-27B --bits 4\n\n  mtpconvert convert "
+           "~/models/Qwen3.5-27B out/ --bits 4\n\n  mtpconvert COMMAND --help   # each command's options and "
+           "examples\n",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

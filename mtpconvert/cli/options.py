@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from ..checks import DEFAULT_MIN_ACCEPTANCE
+from ..checks import SMOKE_MODES
 from ..options import FLOAT_DTYPES, MODES, MTP_LAYOUTS, MTP_POLICIES, ConvertOptions, QuantOptions
 
 DType = Enum("DType", {d: d for d in FLOAT_DTYPES}, type=str)
@@ -15,6 +15,7 @@ QMode = Enum("QMode", {m: m for m in MODES}, type=str)
 MtpPolicy = Enum("MtpPolicy", {p: p for p in MTP_POLICIES if p != "bits"}, type=str)  # bits: via --mtp-bits
 MtpLayoutChoice = Enum("MtpLayoutChoice", {m: m for m in MTP_LAYOUTS}, type=str)
 Hidden = Enum("Hidden", {"post-norm": "post-norm", "pre-norm": "pre-norm"}, type=str)
+SmokeModeChoice = Enum("SmokeModeChoice", {m: m for m in SMOKE_MODES}, type=str)
 BenchHidden = Enum("BenchHidden", {"post-norm": "post-norm", "pre-norm": "pre-norm", "both": "both"}, type=str)
 
 _AFFINE = ", ".join(map(str, MODES["affine"][0]))
@@ -44,7 +45,12 @@ Resume = Annotated[bool, typer.Option("--resume", help="Reuse shards an interrup
                                       "first).")]
 NoVerify = Annotated[bool, typer.Option("--no-verify", help="Skip verifying the output before it is committed.")]
 NoSmoke = Annotated[bool, typer.Option("--no-smoke", help="Skip the MTP decode smoke test.")]
-MinAcceptance = Annotated[float, typer.Option("--min-acceptance", help="Smoke floor for greedy draft acceptance.")]
+SmokeMode = Annotated[SmokeModeChoice, typer.Option(
+    "--smoke-mode", help="full: load the model and decode; layerwise: teacher-forced, one layer in memory at a "
+    "time; auto: full when the weights fit in the memory available.")]
+MinAcceptance = Annotated[Optional[float], typer.Option(
+    "--min-acceptance", help="Smoke floor for greedy draft acceptance (default: 0.4 for the decoding smoke, 0.3 for "
+    "the layerwise one, whose teacher-forced acceptance reads lower).", show_default=False)]
 Token = Annotated[Optional[str], typer.Option("--token", help="Hub token (default: HF_TOKEN or the saved login).",
                                               show_default=False)]
 Revision = Annotated[Optional[str], typer.Option("--revision", help="Branch, tag or commit (pinned to its sha).",
@@ -52,10 +58,13 @@ Revision = Annotated[Optional[str], typer.Option("--revision", help="Branch, tag
 Private = Annotated[bool, typer.Option("--private", help="Create the Hub repository as private.")]
 Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).",
                                                       show_default=False)]
+BaseModel = Annotated[Optional[str], typer.Option(
+    "--base-model", help="Hub repo id of the source release (e.g. Qwen/Qwen3.5-27B), recorded for the model card.",
+    show_default=False)]
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
 
 DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, mtp_layout=MtpLayoutChoice.sidecar, max_shard_gb=5.0,
-                min_acceptance=DEFAULT_MIN_ACCEPTANCE)
+                min_acceptance=None, smoke_mode=SmokeModeChoice.auto)
 
 
 def convert_options(*, dtype: Optional[DType], bits: Optional[int], group_size: Optional[int], q_mode: QMode,

@@ -22,6 +22,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def print_whole(table: Table, console: Console) -> None:
+    """Print a table with no cell cut short: folded to fit a terminal, at its natural width when piped.
+
+    Rich fits tables to the console width (80 columns when stdout is not a terminal) and ends
+    cut cells with "…"; a piped table is read by a program or a log, which has no width.
+    """
+    for column in table.columns:
+        column.overflow = "fold"
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+    wide = Console(file=console.file, width=max(console.width, natural), color_system=console.color_system,
+                   force_terminal=False)
+    wide.print(table)
+
+
 def plan_table(plan: Plan, console: Console, limit: int = 0) -> None:
     table = Table(title=f"conversion plan: {plan.source}", show_lines=False)
     for col in ("output tensor", "from", "steps", "shape", "out", "shard"):
@@ -116,10 +133,10 @@ def bench_table(result, console: Console) -> None:
     """One row per (hidden convention, depth): acceptance, tokens/step, tok/s both ways, speedup, costs."""
     s = result.sampling
     mode = "greedy" if s.greedy else f"temp {s.temperature}, top-p {s.top_p}, top-k {s.top_k or 'off'}"
-    table = Table(title=f"MTP speculative decoding vs plain ({mode}; {result.prompts} prompts x "
+    table = Table(title=f"MTP speculative decoding vs mlx-lm's generate_step ({mode}; {result.prompts} prompts x "
                         f"{result.max_tokens} tokens; {result.to_json()['device']})")
-    for col in ("h_t", "k", "accept (by depth)", "drafted", "tok/step", "plain tok/s", "MTP tok/s", "speedup",
-                "β / δ / ρ", "pred.", "ovh"):
+    for col in ("h_t", "k", "accept (by depth)", "drafted", "tok/step", "mlx-lm tok/s", "MTP tok/s", "speedup",
+                "our loop tok/s", "β / δ / ρ", "pred.", "ovh"):
         table.add_column(col, justify="left" if col == "h_t" else "right")
     for r in result.rows:
         by_depth = "/".join(f"{a:.0%}" for a in r.mtp.acceptance_by_depth)
@@ -127,13 +144,18 @@ def bench_table(result, console: Console) -> None:
         table.add_row(
             r.hidden.replace("-norm", ""), str(r.depth), f"{r.mtp.acceptance:.1%} ({by_depth})", f"{r.mtp.draft_share:.1%}",
             f"{r.mtp.tokens_per_step:.2f}", f"{r.plain.decode_tps:.1f}", f"{r.mtp.decode_tps:.1f}",
-            f"{r.speedup:.2f}x",
+            f"{r.speedup:.2f}x", f"{r.plain_loop.decode_tps:.1f}",
             f"{c.beta:.2f} / {c.delta:.2f} / {c.rho:.2f}" if c else "-",
             f"{c.predicted_speedup(r.mtp.tokens_per_step, r.reject_share):.2f}x" if c else "-",
             f"{r.overhead:.0%}" if r.overhead is not None else "-",
         )
-    console.print(table)
-    console.print("accept: accepted/proposed drafts; drafted: share of emitted tokens that came from drafts; "
+    print_whole(table, console)
+    mismatched = [f"{r.hidden} k={r.depth}" for r in result.rows if r.mismatched_prompts]
+    if mismatched:
+        console.print(f"[red]greedy MTP output differs from mlx-lm's[/red] ({', '.join(mismatched)})")
+    console.print("speedup: MTP tok/s ÷ mlx-lm tok/s (mlx_lm.generate.generate_step, same sampler and prompts); "
+                  "our loop: mtpconvert's synchronous plain loop, a cross-check; "
+                  "accept: accepted/proposed drafts; drafted: share of emitted tokens that came from drafts; "
                   "β: verify pass / decode step; δ: head steps / decode step; ρ: undo after a rejection / decode step; "
                   "pred.: tok/step ÷ (β + δ + ρ × share of steps with a rejection); "
                   "ovh: share of an MTP step outside model calls", style="dim")

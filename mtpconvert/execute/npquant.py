@@ -293,11 +293,17 @@ def _attached(segment: str) -> np.ndarray:
     return _SEGMENTS[segment][1]
 
 
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
 def worker_init() -> None:
-    """Worker initializer: Ctrl-C is the parent's to handle (it shuts the pool down), and a
-    worker whose parent is killed outright exits instead of waiting for work forever (its
-    exit also lets the resource tracker unlink the parent's shared memory)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Worker initializer: Ctrl-C and SIGTERM are the parent's to handle (it shuts the pool down
+    and keeps the finished shards). A CI runner or a terminal signals every process of the group,
+    and a worker killed by it would surface in the parent as ``BrokenProcessPool`` instead of a
+    clean interruption. A worker whose parent is killed outright exits instead of waiting for
+    work forever (its exit also lets the resource tracker unlink the parent's shared memory)."""
+    for sig in INTERRUPTS:
+        signal.signal(sig, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with_parent, args=(parent.sentinel,), daemon=True).start()

@@ -11,14 +11,34 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import List, Optional, Tuple
 
 import numpy as np
 
+from ..errors import ConvertError
 from . import npquant
+
+class WorkerDied(ConvertError):
+    default_code = "worker-died"
+
+
+@contextmanager
+def interrupts_blocked():
+    """Hold off Ctrl-C and SIGTERM in this thread while worker processes are started: they inherit
+    the mask, so a signal to the group cannot kill one while it starts, before ``worker_init``
+    makes it ignore them. The parent gets a signal held meanwhile as soon as the block ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, npquant.INTERRUPTS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
 
 Task = Tuple[list, str, str, int, int]  # npquant.quantize_file_rows's arguments: reads, dtypes, bits, group size
 
@@ -47,6 +67,9 @@ class QuantizerPool:
         self._buf = np.ndarray((slots * slot_bytes,), np.uint8, self._shm.buf)
         self._procs = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                           initializer=npquant.worker_init)
+        with interrupts_blocked():  # start every worker now, none on a later submit
+            for _ in range(workers):
+                self._procs.submit(os.getpid)
 
     def has_free_slot(self) -> bool:
         return bool(self._free)
@@ -62,7 +85,13 @@ class QuantizerPool:
     def result(self, pending: Pending) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(packed, scales, biases) as views of the slot, or None (the slot freed) where a
         group holds a NaN or an infinity."""
-        if not pending.future.result():
+        try:
+            made = pending.future.result()
+        except BrokenProcessPool:
+            raise WorkerDied("a quantization worker process died (killed from outside, or by the system when "
+                             "memory ran out)", hint="rerun with --resume; MTPCONVERT_NUMPY_QUANT=0 quantizes "
+                             "in this process instead") from None
+        if not made:
             self.release(pending)
             return None
         _, _, target_dtype, bits, group_size = pending.task

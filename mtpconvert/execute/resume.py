@@ -6,11 +6,11 @@ import hashlib
 import json
 
 from ..io.checkpoint import Checkpoint
-from ..io.output_folder import OutputFolder
+from ..io.output_folder import RESUME_DIR, OutputFolder
 from ..io.shard_writer import shard_digest
 from ..plan import Plan
 
-RESUME_DIR = ".mtpconvert-resume"  # inside the partial folder; removed before commit
+__all__ = ["RESUME_DIR", "plan_fingerprint", "reusable"]
 
 
 def plan_fingerprint(plan: Plan, ckpt: Checkpoint) -> str:

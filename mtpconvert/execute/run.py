@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Set
 
 from .. import __version__
 from ..io.checkpoint import SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
@@ -33,6 +33,16 @@ if TYPE_CHECKING:  # a download feed; execution only calls its ensure/release
     from ..hub.stream import ShardStream
 
 Progress = Callable[[PlanItem, int], None]
+
+
+class ShardSink(Protocol):
+    """Where finished output shards go besides the folder (``hub.publish``: uploaded as they finish)."""
+
+    def delivered(self, shard: str, fingerprint: str) -> Optional[int]:
+        """The size of a shard an earlier run of this plan already delivered (not rewritten), else None."""
+
+    def finished(self, shard: str, path: Path, fingerprint: str) -> None:
+        """``path`` is complete and its resume record written; the sink may replace the file by a header stub."""
 
 
 @dataclass
@@ -137,12 +147,14 @@ def execute(
     workers: Optional[int] = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     stream: Optional["ShardStream"] = None,
+    sink: Optional[ShardSink] = None,
 ) -> ConvertResult:
     """Write the plan's output folder atomically; ``check`` runs on the finished temp folder.
 
     With ``resume``, shards finished by an interrupted run of the same plan are kept when
     their recorded sha256 still matches; everything else is rewritten. With ``stream``,
-    source shards are fetched when first read and deleted after their last use.
+    source shards are fetched when first read and deleted after their last use. With ``sink``,
+    every finished model shard is handed to it (the MTP sidecar stays: it is linked and checked).
     """
     shards = shard_order(plan)
     users = source_users(plan, ckpt)
@@ -172,9 +184,13 @@ def execute(
                 for shard_name, items in shards.items():
                     specs = [spec for item in items for spec in item.outputs()]
                     path = folder.path(shard_name)
-                    if resume and reusable(folder, shard_name, fingerprint):
+                    # asked first: a delivered shard may be a header stub, which must not be re-hashed
+                    delivered = sink.delivered(shard_name, fingerprint) if sink and resume else None
+                    if delivered is None and resume and reusable(folder, shard_name, fingerprint):
+                        delivered = path.stat().st_size
+                    if delivered is not None:
                         reused += 1
-                        written += path.stat().st_size
+                        written += delivered
                         for item in items:
                             item_done(item)
                         continue
@@ -189,6 +205,8 @@ def execute(
                     except BaseException:
                         writer.abort()
                         raise
+                    if sink is not None and shard_name != MTP_FILE:
+                        sink.finished(shard_name, path, fingerprint)
             except OSError as e:
                 raise describe_os_error(e, out) from e
             finally:
@@ -201,8 +219,8 @@ def execute(
             copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
         except OSError as e:
             raise describe_os_error(e, out) from e
-        shutil.rmtree(folder.path(RESUME_DIR))
         if check is not None:
             check(folder.tmp)
+        shutil.rmtree(folder.path(RESUME_DIR))  # after the checks: a failing check leaves the records for --resume
         folder.commit()
     return ConvertResult(out, list(shards), sum(len(i.outputs()) for i in plan.items), written, reused)

@@ -1,109 +1,225 @@
-"""The model card of an output folder, from the folder's own config and index metadata."""
+"""The model card of an output folder, built with huggingface_hub's ``ModelCard`` from the folder itself.
+
+Everything it states comes from the folder: the quantization from ``config.json``, the MTP
+head's precision from its tensors, and how the folder was made from the record the command
+wrote into the index metadata (``mtpconvert.provenance``). What the folder does not record is
+left out (there is no ``base_model: unknown``), never guessed.
+"""
 
 from __future__ import annotations
 
 import json
+import shlex
+from collections import Counter
+from dataclasses import dataclass
+from importlib import metadata as dist_metadata
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional
 
 from ..io.checkpoint import INDEX_NAME
+from ..provenance import command_args
+from ..runtime.locate import locate_mtp
 
-CARD_TEMPLATE = """---
-library_name: mlx
-base_model: {base_model}
-pipeline_tag: text-generation
-tags:
-- mlx
-- mtp
-- speculative-decoding
-- {model_type}
----
+PROMPT = "Write a haiku about the sea."
 
-# {repo_id}
 
-MLX conversion of [{base_model}](https://huggingface.co/{base_model}) (revision `{revision}`)
-**with its Multi-Token-Prediction (MTP) head kept**, made with mtpconvert {version}.
+@dataclass
+class Folder:
+    """What a card needs to know about an output folder."""
 
-| | |
-|---|---|
-| backbone | {backbone} |
-| MTP head | {mtp} |
-| dtype | {dtype} |
-| MTP layers | {mtp_layers} |
-| verify | {verify} |
-| smoke (greedy MTP draft acceptance, depth 1) | {smoke} |
+    name: str
+    config: dict
+    record: dict  # index metadata "mtpconvert": what made the folder (empty for other tools' folders)
+    weight_map: Dict[str, str]
+    head_keys: List[str]  # the MTP head's tensor names as stored (sidecar mtp.* or in-model language_model.mtp.*)
 
-Conversion command:
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config") or self.config
 
-```bash
-{command}
-```
+    @property
+    def grafted(self) -> dict:
+        return self.record.get("mtp_grafted") or {}
 
-## Use
+    @property
+    def dtype(self) -> str:
+        return self.record.get("dtype") or self.text_config.get("dtype") or self.config.get("torch_dtype") or "?"
+
+
+def read_folder(folder: Path) -> Folder:
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    index = json.loads((folder / INDEX_NAME).read_text()) if (folder / INDEX_NAME).exists() else {}
+    head = locate_mtp(folder)
+    head_keys = sorted(head.prefix + k for k in head.tensors) if head else []
+    return Folder(folder.name, config, (index.get("metadata") or {}).get("mtpconvert") or {},
+                  index.get("weight_map") or {}, head_keys)
+
+
+def _spec_text(spec: dict) -> str:
+    return f"{spec['bits']}-bit, group {spec['group_size']}, {spec.get('mode', 'affine')}"
+
+
+def backbone_text(f: Folder) -> str:
+    q = f.config.get("quantization")
+    return _spec_text(q) if q else f"not quantized ({f.dtype})"
+
+
+def mtp_text(f: Folder) -> str:
+    """The head's precision from its tensors: a linear layer is quantized when it has scales."""
+    keys = set(f.head_keys)
+    modules = sorted(k[: -len(".weight")] for k in keys if k.endswith(".weight"))
+    if not modules:
+        return "none"
+    quantized = [m for m in modules if f"{m}.scales" in keys]
+    if not quantized:
+        return f"float ({f.dtype})"
+    block = f.config.get("quantization") or {}
+    specs = Counter(_spec_text(block[m] if isinstance(block.get(m), dict) else block) for m in quantized)
+    kinds = "; ".join(spec if len(specs) == 1 else f"{n}× {spec}" for spec, n in specs.items())
+    rest = len(modules) - len(quantized)
+    return kinds + (f" ({len(quantized)} of {len(modules)} weights; the other {rest}, e.g. norms and mtp.fc, "
+                    f"{f.dtype})" if rest else "")
+
+
+def base_model_of(f: Folder, given: Optional[str]) -> Optional[str]:
+    return given or f.record.get("source_repo") or f.grafted.get("source_repo")
+
+
+def _link(repo: str, revision: Optional[str]) -> str:
+    at = f" (revision `{revision}`)" if revision else ""
+    return f"[{repo}](https://huggingface.co/{repo}){at}"
+
+
+def how_it_was_made(f: Folder, base_model: Optional[str], out_name: str) -> str:
+    """Which command made the folder, as it ran; for an add-mtp folder, the backbone's origin is not claimed."""
+    lines: List[str] = []
+    made = command_args(f.record, out_name) if f.record.get("command") else None
+    if f.grafted:
+        lines.append("The backbone is an existing MLX folder; mtpconvert "
+                     f"{f.grafted.get('version', '')} grafted the MTP head onto it with `add-mtp`, from "
+                     + (_link(f.grafted["source_repo"], f.grafted.get("source_revision"))
+                        if f.grafted.get("source_repo") else "a local copy of the original release") + ".")
+        made = command_args({"command": "add-mtp", **f.grafted}, out_name)
+    elif made and f.record["command"] == "convert":
+        source = f"a local copy of {_link(base_model, None)}" if base_model else "a local checkpoint folder"
+        lines.append(f"Converted by mtpconvert {f.record.get('version', '')} from {source}.")
+    elif made:
+        lines.append(f"Converted by mtpconvert {f.record.get('version', '')} from "
+                     f"{_link(f.record['source_repo'], f.record.get('source_revision'))}.")
+    else:
+        return "How this folder was made is not recorded in it."
+    libraries = f.grafted.get("libraries") or f.record.get("libraries") or {}
+    if libraries:
+        lines.append("Libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libraries.items())) + ".")
+    if made:
+        lines += ["", "```bash", "mtpconvert " + shlex.join(made), "```"]
+    return "\n".join(lines)
+
+
+def install_mtpconvert() -> str:
+    """How to install mtpconvert, which is not on PyPI: from its git repository when the package names it."""
+    try:
+        urls = dist_metadata.metadata("mtpconvert").get_all("Project-URL") or []
+    except dist_metadata.PackageNotFoundError:
+        urls = []
+    for label, _, url in (u.partition(", ") for u in urls):
+        if label.lower() in ("source", "repository") and url:
+            return f'pip install "mtpconvert @ git+{url}"'
+    return "pip install ./mtpconvert   # from a clone of mtpconvert's git repository (it is not on PyPI)"
+
+
+def usage(repo_id: str) -> str:
+    local = repo_id.split("/")[-1]
+    return f"""## Use
 
 Stock mlx-lm loads it (and ignores the MTP weights):
 
+```bash
+pip install mlx-lm   # on Linux also: pip install "mlx[cpu]"
+```
+
 ```python
 from mlx_lm import load, generate
+
 model, tokenizer = load("{repo_id}")
+print(generate(model, tokenizer, prompt="{PROMPT}", max_tokens=64))
 ```
 
-MTP speculative decoding with the bundled runtime:
+MTP speculative decoding with mtpconvert's runtime (mtpconvert is not on PyPI):
 
 ```bash
-pip install mtpconvert
-mtpconvert bench {repo_id_local} --depth 1
+{install_mtpconvert()}
+hf download {repo_id} --local-dir {local}
+mtpconvert bench {local} --depth 1
 ```
 
 ```python
+from huggingface_hub import snapshot_download
 from mtpconvert.runtime.load import load
+from mtpconvert.runtime.smoke import encode_prompts
 from mtpconvert.runtime.speculative import mtp_generate
-m = load("path/to/this/folder")
-tokens, stats = mtp_generate(m, prompt_ids, max_tokens=256)
+
+path = snapshot_download("{repo_id}")
+model = load(path)
+prompt_ids = encode_prompts(path, ["{PROMPT}"])[0]
+tokens, stats = mtp_generate(model, prompt_ids, max_tokens=64, depth=1)
+print(stats.acceptance, stats.tokens_per_step)
 ```
 """
 
 
-def reproduce_command(meta: dict, config: dict) -> str:
-    """The command that makes this folder again, from its own metadata (never any token)."""
-    q = config.get("quantization") or {}
-    parts = ["mtpconvert pull-and-quantize", meta.get("source_repo", "<source repo>")]
-    if meta.get("source_revision"):
-        parts += ["--revision", meta["source_revision"]]
-    if q:
-        parts += ["--bits", str(q["bits"]), "--group-size", str(q["group_size"])]
-        if q.get("mode", "affine") != "affine":
-            parts += ["--q-mode", q["mode"]]
-    if meta.get("dtype"):
-        parts += ["--dtype", meta["dtype"]]
-    policy = meta.get("mtp_policy", "keep")
-    if policy not in ("keep", None):
-        parts += ["--mtp", policy] if policy in ("match", "drop") else ["--mtp-bits", str(policy).split("-")[-1]]
-    return " ".join(parts)
+def runtimes_text(folder: Path) -> str:
+    """Which MTP runtimes take the folder as it is (mtpconvert.compat, from its headers)."""
+    from ..compat import check_folder
+
+    report = check_folder(folder)
+    rows = ["| runtime | version | backbone loads exactly | MTP head usable | why |", "|---|---|---|---|---|"]
+    for r in report.runtimes:
+        why = r.head_usable.reason if r.backbone_exact.ok else r.backbone_exact.reason
+        backbone = "n/a" if r.backbone_exact.ok is None else ("yes" if r.backbone_exact.ok else "**no**")
+        rows.append(f"| {r.runtime} | {r.versions} | {backbone} | {'yes' if r.head_usable.ok else 'no'} | "
+                    f"{why.replace('|', '/')} |")
+    return (f"## MTP runtimes\n\nHead layout: `{report.layout}`. From the folder's headers "
+            "(`mtpconvert verify` prints the same table):\n\n" + "\n".join(rows))
+
+
+def card_data(f: Folder, base_model: Optional[str]):
+    from huggingface_hub import ModelCardData
+
+    quantized = bool(f.config.get("quantization"))
+    extra = {"base_model_relation": "quantized"} if base_model and quantized else {}
+    return ModelCardData(library_name="mlx", base_model=base_model, pipeline_tag="text-generation",
+                         tags=["mlx", "mtp", "speculative-decoding", f.config.get("model_type", "qwen3_5")], **extra)
 
 
 def model_card(folder: Path, repo_id: str, *, smoke_acceptance: Optional[float] = None,
-               verify_ok: Optional[bool] = None) -> str:
-    """The README.md for an output folder, from its own config and index metadata."""
-    from .. import __version__
+               verify_ok: Optional[bool] = None, base_model: Optional[str] = None) -> str:
+    """The README.md for an output folder about to be uploaded to ``repo_id``."""
+    from huggingface_hub import ModelCard
 
-    config = json.loads((folder / "config.json").read_text())
-    meta = json.loads((folder / INDEX_NAME).read_text()).get("metadata", {}).get("mtpconvert", {})
-    q = config.get("quantization")
-    backbone = f"{q['bits']}-bit, group {q['group_size']}, {q.get('mode', 'affine')}" if q else "not quantized"
-    policy = meta.get("mtp_policy", "?")
-    if not meta.get("mtp_layers"):
-        mtp = "none (dropped)"
-    elif policy == "keep":
-        mtp = f"kept at {meta.get('dtype', 'source dtype')} (not quantized)"
-    else:
-        mtp = f"policy `{policy}` (see config.json for per-tensor settings)"
-    return CARD_TEMPLATE.format(
-        base_model=meta.get("source_repo", "unknown"), revision=meta.get("source_revision", "unknown"),
-        repo_id=repo_id, repo_id_local=folder.name, version=__version__,
-        model_type=config.get("model_type", "qwen3_5"), backbone=backbone, mtp=mtp,
-        dtype=meta.get("dtype", "?"), mtp_layers=meta.get("mtp_layers", 0),
-        verify="passed" if verify_ok else ("failed" if verify_ok is False else "not run"),
-        smoke=f"{smoke_acceptance:.1%}" if smoke_acceptance is not None else "not run",
-        command=reproduce_command(meta, config),
-    )
+    f = read_folder(folder)
+    base = base_model_of(f, base_model)
+    origin = f"MLX conversion of {_link(base, None)}" if base else "MLX conversion"
+    verify = "passed" if verify_ok else ("failed" if verify_ok is False else "not run")
+    smoke = f"{smoke_acceptance:.1%}" if smoke_acceptance is not None else "not run"
+    body = f"""# {repo_id}
+
+{origin} **with its Multi-Token-Prediction (MTP) head**, for MTP speculative decoding.
+
+| | |
+|---|---|
+| backbone | {backbone_text(f)} |
+| MTP head | {mtp_text(f)} |
+| MTP layers | {f.text_config.get("mtp_num_hidden_layers", 0)} |
+| verify | {verify} |
+| smoke (greedy MTP draft acceptance, depth 1) | {smoke} |
+
+{runtimes_text(Path(folder))}
+
+## How it was made
+
+{how_it_was_made(f, base, repo_id.split("/")[-1])}
+
+{usage(repo_id)}"""
+    return ModelCard(f"---\n{card_data(f, base).to_yaml()}\n---\n\n{body}").content

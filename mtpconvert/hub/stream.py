@@ -35,6 +35,7 @@ class ShardStream:
         self._state: Dict[Path, str] = {p: "stub" for p in self.order}  # stub|fetching|ready|released
         self._errors: Dict[Path, BaseException] = {}
         self._threads: List[threading.Thread] = []
+        self._closed = False  # no new downloads once the conversion is over
         self.present_bytes = 0
         self.peak_bytes = 0  # most downloaded raw bytes on disk at once
 
@@ -67,14 +68,24 @@ class ShardStream:
             self._prefetch()
 
     def close(self) -> None:
+        """After a finished conversion: wait for downloads still running (a prefetch nobody read)."""
+        self._closed = True
         for t in self._threads:
             t.join()
+
+    def abandon(self) -> None:
+        """After a failure or Ctrl-C: start nothing more and wait for nothing. A download in flight
+        may take minutes; its daemon thread finishes (or ends with the process) on its own."""
+        with self._lock:
+            self._closed = True
 
     # -- internals (lock held)
     def _held(self) -> int:
         return sum(1 for s in self._state.values() if s in ("fetching", "ready"))
 
     def _prefetch(self) -> None:
+        if self._closed:
+            return
         nxt = next((p for p in self.order if self._state[p] == "stub"), None)
         if nxt is not None and self._held() < self.keep:
             self._start(nxt)

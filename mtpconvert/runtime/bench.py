@@ -1,7 +1,10 @@
 """`mtpconvert bench`: acceptance and speed of MTP decoding against plain decoding.
 
-Both decoders run on the same prompts in the same process after a warm-up, for every
-requested (hidden-state convention, depth) pair. Step costs are measured separately so the
+Plain decoding is mlx-lm's own ``generate_step`` (``baseline.py``); our synchronous
+``plain_generate`` runs too, as a cross-check column only. All decoders run on the same
+prompts in the same process after a warm-up, for every requested (hidden-state convention,
+depth) pair; greedy MTP output is checked token for token against mlx-lm's. Step costs
+(timed with synchronous single calls) are measured separately so the
 speedup can be explained: with plain decode step time T1, a (k+1)-token verify pass
 costing beta*T1 and a head step delta_1*T1, MTP decoding emits tokens_per_step tokens per
 (beta + k*delta_1)*T1, i.e. speedup ~= tokens_per_step / (beta + delta); for depth 1 this
@@ -21,6 +24,7 @@ from mlx_lm.models.cache import ArraysCache
 from .load import MTPModel, load
 from .rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
 from .sampling import Sampling
+from .baseline import DECODER, mlx_lm_generate
 from .smoke import encode_prompts
 from .speculative import DecodeStats, backbone_forward, mtp_generate, plain_generate
 
@@ -66,15 +70,24 @@ class StepCosts:
 
 @dataclass
 class BenchRow:
+    """One (hidden, depth) pair over all prompts. ``plain``: mlx-lm's generate_step, the baseline;
+    ``plain_loop``: our synchronous plain loop (a cross-check of the baseline, not a reference)."""
+
     hidden: str
     depth: int
     mtp: DecodeStats
     plain: DecodeStats
     costs: Optional[StepCosts] = None
+    plain_loop: DecodeStats = field(default_factory=DecodeStats)
+    mismatched_prompts: Optional[List[int]] = None  # greedy: prompts whose MTP tokens differ from mlx-lm's
 
     @property
     def speedup(self) -> float:
         return self.mtp.decode_tps / self.plain.decode_tps if self.plain.decode_tps else 0.0
+
+    @property
+    def speedup_vs_plain_loop(self) -> float:
+        return self.mtp.decode_tps / self.plain_loop.decode_tps if self.plain_loop.decode_tps else 0.0
 
     @property
     def reject_share(self) -> float:
@@ -93,9 +106,14 @@ class BenchRow:
 
     def to_json(self) -> dict:
         out = {
-            "hidden": self.hidden, "depth": self.depth, "mtp": self.mtp.to_json(), "plain": self.plain.to_json(),
-            "speedup": round(self.speedup, 3),
+            "hidden": self.hidden, "depth": self.depth, "mtp": self.mtp.to_json(),
+            "plain": dict(self.plain.to_json(), decoder=DECODER),
+            "plain_loop": dict(self.plain_loop.to_json(), decoder="mtpconvert plain_generate (cross-check)"),
+            "speedup": round(self.speedup, 3), "speedup_vs_plain_loop": round(self.speedup_vs_plain_loop, 3),
         }
+        if self.mismatched_prompts is not None:
+            out["greedy_identical_to_mlx_lm"] = not self.mismatched_prompts
+            out["mismatched_prompts"] = self.mismatched_prompts
         if self.costs:
             out["costs"] = self.costs.to_json()
             out["reject_share"] = round(self.reject_share, 4)
@@ -120,6 +138,7 @@ class BenchResult:
             "max_tokens": self.max_tokens,
             "prompts": self.prompts,
             "device": str(mx.default_device()),
+            "baseline": DECODER,
             "rows": [r.to_json() for r in self.rows],
         }
 
@@ -225,19 +244,31 @@ def bench(
     # backend's JIT takes ~0.1 s each), and a depth-k decode meets pass lengths 1..k+1 and
     # every prompt's prefill length: a short warm-up left compiles in the first timed row.
     for i, ids in enumerate(encoded):
-        generated, _ = plain_generate(m, ids, max_tokens, sampling, seed + i)
+        generated, _ = mlx_lm_generate(m, ids, max_tokens, sampling, seed + i)
+        plain_generate(m, ids, max_tokens, sampling, seed + i)
         if i == 0:  # step costs are timed half-way through the first prompt's decode
             cost_context = ids + generated[: len(generated) // 2]
         for depth in depths:
             mtp_generate(m, ids, max_tokens, depth, sampling, hiddens[0], seed + i)
     for hidden in hiddens:
         for depth in depths:
-            row = BenchRow(hidden, depth, DecodeStats(depth=depth), DecodeStats())
-            for i, ids in enumerate(encoded):
-                _, ps = plain_generate(m, ids, max_tokens, sampling, seed + i, on_tokens=on_tokens)
-                _, ms = mtp_generate(m, ids, max_tokens, depth, sampling, hidden, seed + i, on_tokens=on_tokens)
-                row.plain.add(ps)
-                row.mtp.add(ms)
-            row.costs = measure_step_costs(m, cost_context, depth)
-            result.rows.append(row)
+            result.rows.append(bench_row(m, encoded, max_tokens, hidden, depth, sampling, seed, on_tokens))
+            result.rows[-1].costs = measure_step_costs(m, cost_context, depth)
     return result
+
+
+def bench_row(m: MTPModel, encoded: Sequence[List[int]], max_tokens: int, hidden: str, depth: int,
+              sampling: Sampling, seed: int, on_tokens: Optional[Callable[[int], None]]) -> BenchRow:
+    """The three decoders on every prompt, interleaved per prompt so drift (heat, other load) hits all alike."""
+    row = BenchRow(hidden, depth, DecodeStats(depth=depth), DecodeStats(),
+                   mismatched_prompts=[] if sampling.greedy else None)
+    for i, ids in enumerate(encoded):
+        reference, ps = mlx_lm_generate(m, ids, max_tokens, sampling, seed + i, on_tokens=on_tokens)
+        _, ls = plain_generate(m, ids, max_tokens, sampling, seed + i)
+        tokens, ms = mtp_generate(m, ids, max_tokens, depth, sampling, hidden, seed + i, on_tokens=on_tokens)
+        row.plain.add(ps)
+        row.plain_loop.add(ls)
+        row.mtp.add(ms)
+        if sampling.greedy and tokens != reference:
+            row.mismatched_prompts.append(i)
+    return row

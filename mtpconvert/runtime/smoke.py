@@ -1,8 +1,11 @@
 """`mtpconvert smoke`: does the MTP head of a folder draft tokens the backbone accepts?
 
 Runs the real draft/verify loop (greedy, depth 1) next to plain greedy decoding on a few
-prompts: acceptance below the floor fails, and so does MTP output that differs from the
-plain decode (a wrong rollback would show there).
+prompts: acceptance below the floor fails. MTP output that differs from the plain decode is
+reported, not failed: a ``k+1``-token verify pass and a 1-token step run different kernels
+(on a GPU above all), so where the plain decode's top two logits nearly tie the two decodes
+may part without anything being wrong. Each divergence names its position and that margin;
+a broken rollback shows as a large margin, a broken head as low acceptance.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence
+
+import mlx.core as mx
 
 from .load import MTPModel, load
 from .speculative import DecodeStats, mtp_generate, plain_generate
@@ -19,9 +24,29 @@ DEFAULT_PROMPTS = (
     "def fibonacci(n):\n    ",
     "Here is a short story about a robot who learns to paint:",
 )
-# Working heads on real models accept 60-90% of greedy drafts; broken ones (missing
-# norm shift, wrong expert order, mismatched hidden state) accept 0-5%.
-DEFAULT_MIN_ACCEPTANCE = 0.30
+# Chosen on the text fixtures with these prompts (docs/runtime.md): every correct conversion,
+# down to a 2-bit head over a 4-bit backbone, accepted >= 46.9% of greedy drafts; every broken
+# one < 39% (head norms without +1 0%, fc halves swapped 2.9%, MoE experts reversed 35-39%).
+# Real releases accept ~75-85%.
+DEFAULT_MIN_ACCEPTANCE = 0.40
+
+
+@dataclass
+class Divergence:
+    """Where greedy MTP output first differs from plain greedy output on one prompt.
+
+    ``margin``: the plain decode's top-1 minus top-2 logit at that position (None when it
+    was not computed); a near-tie there is a kernel difference, a wide margin is a bug."""
+
+    prompt: int
+    position: int  # index into the generated tokens
+    plain_token: int
+    mtp_token: int
+    margin: Optional[float] = None
+
+    def to_json(self) -> dict:
+        return {"prompt": self.prompt, "position": self.position, "plain_token": self.plain_token,
+                "mtp_token": self.mtp_token, "top2_margin": None if self.margin is None else round(self.margin, 4)}
 
 
 @dataclass
@@ -32,19 +57,24 @@ class SmokeResult:
     mtp: DecodeStats = field(default_factory=DecodeStats)
     plain: DecodeStats = field(default_factory=DecodeStats)
     per_prompt: List[float] = field(default_factory=list)
-    mismatched_prompts: List[int] = field(default_factory=list)
+    divergences: List[Divergence] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:
         return self.mtp.acceptance
 
     @property
+    def mismatched_prompts(self) -> List[int]:
+        return [d.prompt for d in self.divergences]
+
+    @property
     def identical(self) -> bool:
-        return not self.mismatched_prompts
+        """A diagnostic, not part of ``ok`` (see the module docstring)."""
+        return not self.divergences
 
     @property
     def ok(self) -> bool:
-        return self.acceptance >= self.min_acceptance and self.identical
+        return self.acceptance >= self.min_acceptance
 
     def to_json(self) -> dict:
         return {
@@ -56,6 +86,7 @@ class SmokeResult:
             "per_prompt": [round(a, 4) for a in self.per_prompt],
             "identical_to_plain_greedy": self.identical,
             "mismatched_prompts": self.mismatched_prompts,
+            "divergences": [d.to_json() for d in self.divergences],
             "min_acceptance": self.min_acceptance,
             "ok": self.ok,
         }
@@ -66,6 +97,31 @@ def encode_prompts(path: Path, prompts: Optional[Sequence[str]]) -> List[List[in
 
     tok = AutoTokenizer.from_pretrained(str(path))  # never trust_remote_code
     return [tok.encode(text) for text in (prompts or DEFAULT_PROMPTS)]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """The first index where ``a`` and ``b`` differ (or where the shorter one ends); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_margin(m: MTPModel, prompt: Sequence[int], generated: Sequence[int]) -> float:
+    """Top-1 minus top-2 logit of the plain model for the token after ``prompt + generated``
+    (one prefill, the stock forward)."""
+    logits = m.model(mx.array([list(prompt) + list(generated)]))[0, -1].astype(mx.float32)
+    top = mx.topk(logits, 2)
+    return float((mx.max(top) - mx.min(top)).item())
+
+
+def divergence(m: MTPModel, i: int, prompt: Sequence[int], plain: List[int], spec: List[int]) -> Optional[Divergence]:
+    at = first_difference(plain, spec)
+    if at is None:
+        return None
+    if at >= min(len(plain), len(spec)):  # one decode stopped early: no competing token to weigh
+        return Divergence(i, at, plain[at] if at < len(plain) else -1, spec[at] if at < len(spec) else -1)
+    return Divergence(i, at, plain[at], spec[at], top2_margin(m, prompt, plain[:at]))
 
 
 def smoke(
@@ -84,6 +140,7 @@ def smoke(
         result.plain.add(ps)
         result.mtp.add(ms)
         result.per_prompt.append(ms.acceptance)
-        if spec != plain:
-            result.mismatched_prompts.append(i)
+        found = divergence(m, i, ids, plain, spec)
+        if found is not None:
+            result.divergences.append(found)
     return result

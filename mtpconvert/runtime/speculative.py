@@ -15,6 +15,14 @@ not yet fed to it:
            (draft-fed) entries; the confirmed positions' hidden states become the next
            step's pending pairs.
 
+One host sync per step (step 3). Every later step's shapes depend on the accept count ``a``,
+so its graph cannot be built before that sync; what can overlap is the device running one
+stage while Python builds the next: the undo's recompute runs while the next draft's graph is
+built, and the drafts run while the verify pass's graph is built (``overlap=True``:
+``mx.async_eval`` at those two points; the values computed are the same). Off by default until
+measured where graph building costs: on the 2-core CPU it changed nothing beyond the noise
+(docs/runtime.md).
+
 Greedy output is token-for-token the plain greedy decode of the same model.
 """
 
@@ -28,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 from .load import MTPModel
-from .rollback import enable_rollback, make_rollback_cache, rollback
+from .rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
 from .sampling import Sampling, accept_drafts, categorical
 
 
@@ -107,6 +115,11 @@ def backbone_forward(m: MTPModel, tokens: mx.array, cache: list):
     return x, inner.norm(x)
 
 
+def linear_states(cache: list) -> List[mx.array]:
+    """The linear-attention layers' (conv window, SSM state) arrays: what an undo recomputes."""
+    return [x for c in cache if isinstance(c, RollbackArraysCache) for x in (c[0], c[1])]
+
+
 def _seed_keys(seed: Optional[int]):
     key = mx.random.key(0 if seed is None else seed)
     while True:
@@ -144,7 +157,7 @@ def plain_generate(
 def mtp_generate(
     m: MTPModel, prompt: Sequence[int], max_tokens: int, depth: int = 1, sampling: Sampling = Sampling(),
     hidden: str = "post-norm", seed: Optional[int] = None, eos: Sequence[int] = (),
-    on_tokens: Optional[Callable[[int], None]] = None, check_offsets: bool = False,
+    on_tokens: Optional[Callable[[int], None]] = None, check_offsets: bool = False, overlap: bool = False,
 ):
     """Speculative decode with the MTP head. Returns (tokens, stats); see the module doc."""
     if depth < 1:
@@ -188,6 +201,8 @@ def mtp_generate(
                 q_rows.append(sampling.probs(q_logits))
                 drafts.append(categorical(q_rows[-1], key))
         draft_arr = mx.concatenate(drafts)  # [k]
+        if overlap:
+            mx.async_eval(draft_arr)
         # 2. verify [t_N, d_1..d_k]
         verify_in = mx.concatenate([tok, draft_arr])[None]
         states = backbone_forward(m, verify_in, cache)
@@ -202,6 +217,8 @@ def mtp_generate(
         new = draft_arr[:a].tolist() + [int(next_tokens[a].item())]
         # 4. undo the rejected tail and the chained head entries
         rollback(cache, keep=a + 1, length=depth + 1)
+        if overlap and a < depth:
+            mx.async_eval(linear_states(cache))
         if depth > 1:
             mtp_cache[0].trim(depth - 1)
         tok = mx.array(new[-1:])

@@ -1,0 +1,188 @@
+"""Interruptions in every mode: SIGTERM to the whole process group while npquant's worker
+processes run, Ctrl-C while --stream downloads, and the output lock (filelock)."""
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mtpconvert.execute.resume import RESUME_DIR
+
+# Runs in every process of a child, its npquant workers too (they are spawned: nothing patched
+# in the parent reaches them): each quantization task takes a while, so a signal finds the
+# workers busy and the parent waiting on them. The pool runs even for a tiny checkpoint.
+SLOW_WORKERS = """
+import os, time
+if os.environ.get("MTPCONVERT_TEST_SLOW_TASK"):
+    from mtpconvert.execute import npquant, pipeline
+    pipeline.NUMPY_MIN_BYTES = 0
+    real = npquant.quantize_file_rows_into
+    def slow_task(*args):
+        time.sleep(float(os.environ["MTPCONVERT_TEST_SLOW_TASK"]))
+        return real(*args)
+    npquant.quantize_file_rows_into = slow_task
+"""
+
+
+def slow_pool_env(tmp_path, seconds: float) -> dict:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WORKERS)
+    env = dict(os.environ, MTPCONVERT_TEST_SLOW_TASK=str(seconds), COLUMNS="250")  # rich: no wrapped lines
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *sys.path])
+    return env
+
+
+def wait_for(condition, timeout: float, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the child ended first: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.02)
+
+
+def group_members(pgid: int) -> list:
+    """Pids of the process group ``pgid`` (the child's session: it was started as its leader)."""
+    out = subprocess.run(["ps", "-o", "pid=", "-s", str(pgid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def pool_workers(pgid: int) -> list:
+    """The spawned worker processes of the session (not its resource tracker)."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "-s", str(pgid)], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line]
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def error_lines(stderr: str) -> list:
+    """What the run printed after its plan summary (which ends with the 'layout ...' lines)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    after = max((i for i, line in enumerate(lines) if line.startswith("layout ")), default=-1) + 1
+    return lines[after:]
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    os.killpg(pgid, sig)
+
+
+def signal_workers_first(pgid: int, sig: int) -> None:
+    """As a supervisor that walks the process tree: the workers, then the parent a moment later."""
+    for pid in group_members(pgid):
+        if pid != pgid:
+            os.kill(pid, sig)
+    time.sleep(0.3)
+    os.kill(pgid, sig)
+
+
+@pytest.mark.parametrize("deliver", [signal_group, signal_workers_first], ids=["group", "workers-first"])
+def test_sigterm_while_the_worker_pool_runs(raw_checkpoints, tmp_path, deliver):
+    """As a CI runner cancels a job: SIGTERM to every process, the npquant workers included.
+    The run stops as on Ctrl-C: exit 130, one line naming the kept shards and the resume command,
+    no BrokenProcessPool, no traceback, no process left; the resume command finishes the job."""
+    src = raw_checkpoints("dense-sharded-tied").path
+    out = tmp_path / "out"
+    args = ["convert", str(src), str(out), "--bits", "4", "--group-size", "32", "--max-shard-size", "0.00004",
+            "--no-smoke"]
+    proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=slow_pool_env(tmp_path, 0.3))
+    records = tmp_path / ".out.partial" / RESUME_DIR
+    try:
+        wait_for(lambda: records.is_dir() and any(records.glob("*.json")), 60, proc)
+        assert len(group_members(proc.pid)) >= 3  # the parent and its worker processes
+        deliver(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        stopped_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode in (130, 143), err
+    lines = error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("interrupted: nothing was written to"), err
+    assert "Traceback" not in err and "BrokenProcessPool" not in err
+    assert stopped_s < 10
+    wait_for(lambda: group_gone(proc.pid), 10)
+    assert not out.exists() and any(records.glob("*.json"))
+    resume = shlex.split(lines[0].split("resume with: ", 1)[1])
+    assert resume == ["mtpconvert", *args[:3], "--bits", "4", "--group-size", "32", "--max-shard-size", "4e-05",
+                      "--resume", "--no-smoke"]
+
+    from mtpconvert.cli import run
+
+    assert run(resume[1:]) == 0
+    assert out.is_dir() and not (tmp_path / ".out.partial").exists()
+
+
+def test_ctrl_c_under_stream_stops_within_seconds(raw_checkpoints, tmp_path):
+    """Ctrl-C while --stream downloads a shard (served slowly: it would take ~30 s) ends the run
+    at once instead of waiting for the download: exit 130, nothing at OUT, the staging folder gone."""
+    from hubserver import FakeHub
+
+    with FakeHub() as hub:
+        hub.add_folder("Qwen/Tiny-MoE", raw_checkpoints("moe-fused").path)
+        shard_bytes = max(len(b) for n, b in hub.repos["Qwen/Tiny-MoE"].files.items() if n.endswith(".safetensors"))
+        hub.bytes_per_s = shard_bytes / 30
+        env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_DISABLE_TELEMETRY="1",
+                   COLUMNS="250")
+        env.pop("HF_TOKEN", None)
+        out = tmp_path / "out"
+        proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", "pull-and-quantize", "Qwen/Tiny-MoE", str(out),
+                                 "--stream", "--no-smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=env)
+        try:
+            whole_shard = lambda: any(r.method == "GET" and r.range is None and r.path.endswith(".safetensors")  # noqa: E731
+                                      for r in hub.log)
+            wait_for(whole_shard, 60, proc)
+            time.sleep(0.5)  # well inside the download
+            os.killpg(proc.pid, signal.SIGINT)
+            t0 = time.monotonic()
+            _, err = proc.communicate(timeout=60)
+            stopped_s = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert stopped_s < 5, stopped_s
+    assert "Traceback" not in err and error_lines(err)[-1].startswith("interrupted"), err
+    assert not out.exists() and not (tmp_path / ".out.stream").exists() and not (tmp_path / ".out.partial").exists()
+
+
+def test_a_worker_killed_outright_is_named_and_the_shards_kept(raw_checkpoints, tmp_path):
+    """SIGKILL (the kernel's OOM killer) on a worker: not a BrokenProcessPool bug report but a
+    one-line error naming it, exit 2, the finished shards kept with the resume command."""
+    src = raw_checkpoints("dense-sharded-tied").path
+    out = tmp_path / "out"
+    args = ["convert", str(src), str(out), "--bits", "4", "--group-size", "32", "--max-shard-size", "0.00004",
+            "--no-smoke"]
+    proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=slow_pool_env(tmp_path, 0.3))
+    records = tmp_path / ".out.partial" / RESUME_DIR
+    try:
+        wait_for(lambda: records.is_dir() and any(records.glob("*.json")), 60, proc)
+        workers = pool_workers(proc.pid)
+        assert len(workers) >= 2
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2, err
+    lines = error_lines(err)
+    assert lines[0].startswith("error: a quantization worker process died") and "Traceback" not in err, err
+    assert any("resume with: mtpconvert convert" in line for line in lines) and any(records.glob("*.json"))

@@ -1,0 +1,87 @@
+"""The text fixtures (small Qwen3.5 models trained on the stdlib's sources) against the smoke floor.
+
+Correct conversions of every MTP precision pass ``smoke`` with its default prompts and floor;
+broken ones (head norms without +1, fc halves swapped, MoE experts reversed, head dropped) fail
+it. Numbers and the floor's choice: docs/runtime.md ("Acceptance on the text fixtures").
+"""
+
+import pytest
+
+from broken_heads import break_folder
+from checkpoints import convert_folder
+from mtpconvert.errors import LayoutError
+from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
+from mtpconvert.runtime.load import load
+from mtpconvert.runtime.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
+from mtpconvert.runtime.speculative import mtp_generate, plain_generate
+from mtpconvert.verify import verify
+
+# mlx's CPU backend has no bf16 gather_mm: float MoE experts run in float32 here
+DTYPE = {"dense": "bfloat16", "moe": "float32"}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(variant, quant kwargs as a tuple of pairs) -> converted folder, each made once per module."""
+    root = tmp_path_factory.mktemp("text")
+    cache = {}
+
+    def get(variant, **quant):
+        key = (variant, tuple(sorted(quant.items())))
+        if key not in cache:
+            out = root / f"{variant}-{len(cache)}"
+            convert_folder(text_fixture_path(variant), out, dtype=DTYPE[variant], **quant)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_text_fixture_verifies(variant):
+    assert verify(text_fixture_path(variant)).ok
+
+
+@pytest.mark.parametrize("variant,quant", [
+    ("dense", {}),
+    ("dense", dict(bits=4, mtp_bits=2)),  # the lowest-accepting correct conversion measured
+    ("moe", {}),
+    ("moe", dict(bits=4, mtp="match")),
+], ids=["dense", "dense-q4-mtp2", "moe", "moe-q4-match"])
+def test_correct_heads_pass_smoke(converted, variant, quant):
+    result = smoke(converted(variant, **quant))
+    assert result.identical and result.acceptance >= DEFAULT_MIN_ACCEPTANCE, result.to_json()
+
+
+@pytest.mark.parametrize("variant,edit", [
+    ("dense", "noshift_head"),
+    ("dense", "fc_swapped"),
+    ("moe", "experts_rev"),
+])
+def test_broken_heads_fail_smoke(converted, tmp_path, variant, edit):
+    src = text_fixture_path(variant)
+    broken = tmp_path / edit
+    assert break_folder(converted(variant), broken, src, edit) > 0
+    result = smoke(broken)
+    assert result.identical and not result.ok and result.acceptance < DEFAULT_MIN_ACCEPTANCE, result.to_json()
+
+
+def test_dropped_head_is_refused(tmp_path):
+    out = tmp_path / "drop"
+    convert_folder(text_fixture_path("dense"), out, mtp="drop")
+    with pytest.raises(LayoutError, match="no MTP head"):
+        load(out)
+
+
+def test_acceptance_is_realistic_on_heldout_prompts(converted):
+    """Greedy acceptance on stdlib files held out of training lands in real releases' range, and
+    greedy MTP decoding is plain greedy decoding."""
+    folder = converted("dense")
+    _, prompts, _ = heldout_prompts(text_fixture_path("dense"), per_file=1, prompt_tokens=48, files=8)
+    m = load(folder)
+    accepted = proposed = 0
+    for ids in prompts:
+        tokens, stats = mtp_generate(m, ids, 32)
+        assert tokens == plain_generate(m, ids, 32)[0]
+        accepted, proposed = accepted + sum(stats.accepted), proposed + sum(stats.proposed)
+    assert 0.55 <= accepted / proposed <= 0.90, (accepted, proposed)
