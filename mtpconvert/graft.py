@@ -28,10 +28,10 @@ from .execute.run import link_head
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
 from .plan.build import MTP_FILE
+from .runtime.locate import HEAD_PREFIXES
 
 IN_MODEL_SHARD = "model-mtp.safetensors"  # --mtp-layout in-model: a model shard the index lists
 MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-HEAD_PREFIXES = ("language_model.mtp.", "mtp.")
 
 
 def _existing_dtype(ckpt) -> str:

@@ -16,8 +16,8 @@ from .header import Header, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 # A converted folder keeps its MTP head beside the index, in a file the index does not list
-# (see plan.build.MTP_FILE); config's mlx_lm_extra_tensors.mtp_file may name it.
-HEAD_SIDECAR = "mtp.safetensors"
+# (the sidecar layout, plan.build.place_head); config's mlx_lm_extra_tensors.mtp_file may name it.
+MTP_FILE = "mtp.safetensors"
 
 # Files copied next to the weights (tokenizer, chat template, generation defaults).
 SIDECAR_FILES = (
@@ -135,7 +135,7 @@ def head_sidecar(root: Path, config: dict, listed: List[str]) -> Optional[str]:
     """The root MTP sidecar of a converted folder, when the index does not list it."""
     extra = config.get("mlx_lm_extra_tensors")
     named = extra.get("mtp_file") if isinstance(extra, dict) else None
-    name = named if isinstance(named, str) and named else HEAD_SIDECAR
+    name = named if isinstance(named, str) and named else MTP_FILE
     if name in listed or not (root / name).is_file():
         if named and not (root / name).is_file():
             raise LayoutError(f"config.json names the MTP file {name!r} (mlx_lm_extra_tensors.mtp_file), "

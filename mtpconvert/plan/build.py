@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import LayoutError, OptionsError
-from ..io.checkpoint import Checkpoint
+from ..io.checkpoint import MTP_FILE, Checkpoint
 from ..io.header import dtype_itemsize
 from ..io.shard_writer import TensorSpec
 from ..model.keys import MLX, QUANT_AUX, RAW_VLM, Gather, Mapped, contributions, key_style, source_name
@@ -33,7 +33,6 @@ MTP_LAYER = re.compile(r"^language_model\.mtp\.layers\.(\d+)\.")
 # the same bytes linked where vllm-mlx looks, and the manifest vllm-mlx reads to take the
 # norms as stored. Never named model*.safetensors: mlx-lm 0.30.7-0.31.x loads that glob and
 # shifts every backbone norm again when any of its keys contains "mtp.".
-MTP_FILE = "mtp.safetensors"
 MTP_LINK = "mtp/weights.safetensors"
 MTP_MANIFEST = "mtp/manifest.json"
 MTP_MANIFEST_BODY = {"artifact_schema_version": 1, "rmsnorm_weight_format": "mlx_gamma"}

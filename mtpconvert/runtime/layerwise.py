@@ -62,7 +62,7 @@ from mlx.utils import tree_map
 from ..errors import LayoutError
 from ..io.header import TensorInfo, read_header
 from ..io.reader import TensorReader
-from .locate import HEAD_PREFIXES, SIDECAR, HeadTensors, locate_mtp, shard_files
+from .locate import HEAD_PREFIXES, MTP_FILE, HeadTensors, locate_mtp, shard_files
 from .mtp import MTPHead, stack_experts
 
 # Teacher-forced acceptance on the prompt text is not decoding acceptance: correct text-fixture heads
@@ -106,7 +106,7 @@ DEFAULT_VOCAB_BLOCK_BYTES = 128 << 20
 def weight_files(path: Path) -> List[Path]:
     """Every weight file the full smoke would load: the shards and the MTP sidecar."""
     path = Path(path)
-    return [Path(f) for f in shard_files(path)] + ([path / SIDECAR] if (path / SIDECAR).is_file() else [])
+    return [Path(f) for f in shard_files(path)] + ([path / MTP_FILE] if (path / MTP_FILE).is_file() else [])
 
 
 def folder_weight_bytes(path: Path) -> int:
@@ -121,9 +121,8 @@ def stored_bytes_by_unit(path: Path) -> Dict[str, int]:
     import re
 
     path = Path(path)
-    files = shard_files(path) + ([str(path / SIDECAR)] if (path / SIDECAR).is_file() else [])
     units: Dict[str, int] = {}
-    for f in files:
+    for f in weight_files(path):
         for k, t in read_header(Path(f)).tensors.items():
             m = re.match(r"language_model\.model\.layers\.(\d+)\.", k)
             if m:

@@ -19,10 +19,9 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config, load_model
 
 from ..errors import LayoutError
-from .locate import locate_mtp
+from .locate import HEAD_PREFIXES, locate_mtp
 from .mtp import MTPHead, stack_experts
 
-QUANT_PREFIXES = ("mtp.", "language_model.mtp.")  # how config.json may name a head module
 
 
 @dataclass
@@ -111,7 +110,7 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
     quant: Optional[dict] = config.get("quantization")
     if quant:
         def predicate(p, m):
-            for prefix in QUANT_PREFIXES:
+            for prefix in HEAD_PREFIXES:  # config.json names a head module by either
                 if (entry := quant.get(prefix + p)) is not None:
                     return entry
             if not hasattr(m, "to_quantized") or f"{p}.scales" not in weights:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ..io.checkpoint import MTP_FILE
 from ..io.header import Header, TensorInfo, read_header
 
-SIDECAR = "mtp.safetensors"
 HEAD_PREFIXES = ("mtp.", "language_model.mtp.")
 IN_MODEL_PREFIX = "language_model.mtp."
 
@@ -33,7 +33,7 @@ def locate_mtp(path: Path, headers: Optional[Sequence[Header]] = None) -> Option
     or ``language_model.mtp.*``), else ``language_model.mtp.*`` inside ``model*.safetensors``.
     Headers only; None when there is no head."""
     path = Path(path)
-    sidecar = path / SIDECAR
+    sidecar = path / MTP_FILE
     if sidecar.is_file():
         header = read_header(sidecar)
         for prefix in HEAD_PREFIXES:
