@@ -23,7 +23,7 @@ import json
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 # A probe is named after its runtime (mlx_lm.py, mtplx.py, ...), and Python puts the probe's own
 # folder first on sys.path, where that file would shadow the runtime's package: drop the folder.
@@ -36,9 +36,12 @@ def empty_result(runtime: str) -> dict:
             "mtp_tokens": None, "proposed": None, "accepted": None, "error": None, "detail": {}}
 
 
-def run_probe(runtime: str, body: Callable[[Path, List[List[int]], int, dict], None], argv=None) -> int:
+def run_probe(runtime: str, body: Callable[[Path, List[List[int]], int, dict], None], argv=None, *,
+              error_chars: int = 500, finish: Optional[Callable[[dict], None]] = None) -> int:
     """Parse the probe arguments, call ``body(folder, prompts, max_tokens, result)`` (which fills
-    ``result`` as it goes, so a failure late still reports what worked), print the JSON."""
+    ``result`` as it goes, so a failure late still reports what worked), print the JSON.
+    ``error_chars``: how much of the failure's first line is kept; ``finish(result)`` adds what the
+    probe gathered on the side (log lines) just before it is printed."""
     ap = argparse.ArgumentParser(description=f"interop probe: {runtime}")
     ap.add_argument("--folder", type=Path, required=True)
     ap.add_argument("--prompts-json", type=Path, required=True)
@@ -57,7 +60,9 @@ def run_probe(runtime: str, body: Callable[[Path, List[List[int]], int, dict], N
             raise
         traceback.print_exc(file=sys.stderr)
         msg = str(e).strip().splitlines()
-        result["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
+        result["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:error_chars]
+    if finish is not None:
+        finish(result)
     real_stdout.write(json.dumps(result) + "\n")
     real_stdout.flush()
     return 0

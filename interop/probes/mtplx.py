@@ -25,9 +25,6 @@ weights or decodes is replaced.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import logging
 import platform
 import sys
@@ -36,16 +33,10 @@ from pathlib import Path
 
 # The probe file is named like the runtime's package and Python puts the probe's folder first on
 # sys.path, where this file would shadow ``mtplx``: drop that folder before importing anything.
-_HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if (str(Path(p).resolve()) if p else str(Path.cwd())) != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_probe  # noqa: E402  (and _common drops this folder from sys.path)
 
 RUNTIME = "mtplx"
-
-
-def _empty() -> dict:
-    return {"runtime": RUNTIME, "version": None, "backbone_tokens": None, "backbone_logprobs": None,
-            "head_found": False, "mtp_tokens": None, "proposed": None, "accepted": None, "error": None,
-            "detail": {}}
 
 
 def _install_clock_stand_in() -> bool:
@@ -169,30 +160,16 @@ def body(folder: Path, prompts, max_tokens: int, result: dict, tap: _LogTap) -> 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="interop probe: mtplx")
-    ap.add_argument("--folder", type=Path, required=True)
-    ap.add_argument("--prompts-json", type=Path, required=True)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    a = ap.parse_args(argv)
-    result = _empty()
     tap = _LogTap()
     logging.getLogger().addHandler(tap)
     logging.getLogger().setLevel(logging.INFO)
-    real_stdout = sys.stdout
-    try:
-        prompts = json.loads(a.prompts_json.read_text())
-        if not (isinstance(prompts, list) and all(isinstance(p, list) and p for p in prompts)):
-            raise ValueError("prompts json must be a list of non-empty token-id lists")
-        with contextlib.redirect_stdout(sys.stderr):
-            body(a.folder, prompts, a.max_tokens, result, tap)
-    except Exception as e:  # noqa: BLE001 - a probe reports every failure as data
-        traceback.print_exc(file=sys.stderr)
-        msg = str(e).strip().splitlines()
-        result["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:600]
-    result["detail"]["log"] = [line for line in tap.lines if "MTP" in line or "mtp" in line][:20]
-    real_stdout.write(json.dumps(result) + "\n")
-    real_stdout.flush()
-    return 0
+
+    def keep_log(result: dict) -> None:
+        result["detail"]["log"] = [line for line in tap.lines if "MTP" in line or "mtp" in line][:20]
+
+    return run_probe(RUNTIME, lambda folder, prompts, max_tokens, result: body(folder, prompts, max_tokens, result,
+                                                                                 tap),
+                     argv, error_chars=600, finish=keep_log)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ throw-away ``HOME`` for its state files.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -42,25 +40,18 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 # The probe file is named like the runtime's package and Python puts the probe's folder first on
 # sys.path, where this file would shadow ``rapid_mlx``: drop that folder before importing anything.
-_HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if (str(Path(p).resolve()) if p else str(Path.cwd())) != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_probe  # noqa: E402  (and _common drops this folder from sys.path)
 
 RUNTIME = "rapid-mlx"
 BOOT_TIMEOUT_S = float(os.environ.get("MTPCONVERT_PROBE_BOOT_TIMEOUT", "600"))
 REQUEST_TIMEOUT_S = float(os.environ.get("MTPCONVERT_PROBE_REQUEST_TIMEOUT", "600"))
-
-
-def _empty() -> dict:
-    return {"runtime": RUNTIME, "version": None, "backbone_tokens": None, "backbone_logprobs": None,
-            "head_found": False, "mtp_tokens": None, "proposed": None, "accepted": None, "error": None,
-            "detail": {}}
 
 
 def _free_port() -> int:
@@ -261,26 +252,9 @@ def body(folder: Path, prompts, max_tokens: int, result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="interop probe: rapid-mlx")
-    ap.add_argument("--folder", type=Path, required=True)
-    ap.add_argument("--prompts-json", type=Path, required=True)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    a = ap.parse_args(argv)
-    result = _empty()
-    real_stdout = sys.stdout
-    try:
-        prompts = json.loads(a.prompts_json.read_text())
-        if not (isinstance(prompts, list) and all(isinstance(p, list) and p for p in prompts)):
-            raise ValueError("prompts json must be a list of non-empty token-id lists")
-        with contextlib.redirect_stdout(sys.stderr):
-            body(a.folder.resolve(), prompts, a.max_tokens, result)
-    except Exception as e:  # noqa: BLE001 - a probe reports every failure as data
-        traceback.print_exc(file=sys.stderr)
-        msg = str(e).strip().splitlines()
-        result["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:1500]
-    real_stdout.write(json.dumps(result) + "\n")
-    real_stdout.flush()
-    return 0
+    return run_probe(RUNTIME, lambda folder, prompts, max_tokens, result: body(folder.resolve(), prompts, max_tokens,
+                                                                                 result),
+                     argv, error_chars=1500)
 
 
 if __name__ == "__main__":

@@ -27,28 +27,18 @@ When no draft was proposed, ``mtp_tokens`` is null and ``error`` quotes vllm-mlx
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import json
 import logging
 import os
 import sys
-import traceback
 from pathlib import Path
 
 # The probe file is named like the runtime's package and Python puts the probe's folder first on
 # sys.path, where this file would shadow ``vllm_mlx``: drop that folder before importing anything.
-_HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if (str(Path(p).resolve()) if p else str(Path.cwd())) != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import run_probe  # noqa: E402  (and _common drops this folder from sys.path)
 
 RUNTIME = "vllm-mlx"
-
-
-def _empty() -> dict:
-    return {"runtime": RUNTIME, "version": None, "backbone_tokens": None, "backbone_logprobs": None,
-            "head_found": False, "mtp_tokens": None, "proposed": None, "accepted": None, "error": None,
-            "detail": {}}
 
 
 class _LogTap(logging.Handler):
@@ -137,31 +127,20 @@ def body(folder: Path, prompts, max_tokens: int, result: dict, tap: _LogTap) -> 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="interop probe: vllm-mlx")
-    ap.add_argument("--folder", type=Path, required=True)
-    ap.add_argument("--prompts-json", type=Path, required=True)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-    result = _empty()
     tap = _LogTap()
     logging.getLogger().addHandler(tap)
     logging.getLogger().setLevel(logging.INFO)
-    real_stdout = sys.stdout
-    try:
-        prompts = json.loads(a.prompts_json.read_text())
-        if not (isinstance(prompts, list) and all(isinstance(p, list) and p for p in prompts)):
-            raise ValueError("prompts json must be a list of non-empty token-id lists")
-        with contextlib.redirect_stdout(sys.stderr):
-            body(a.folder.resolve(), prompts, a.max_tokens, result, tap)
-    except Exception as e:  # noqa: BLE001 - a probe reports every failure as data
-        traceback.print_exc(file=sys.stderr)
-        msg = str(e).strip().splitlines()
-        result["error"] = f"{type(e).__name__}: {msg[0] if msg else ''}"[:1500]
-        result["detail"].setdefault("mtp_log", tap.mtp()[:20])
-    real_stdout.write(json.dumps(result) + "\n")
-    real_stdout.flush()
+
+    def logged_body(folder: Path, prompts, max_tokens: int, result: dict) -> None:
+        try:
+            body(folder.resolve(), prompts, max_tokens, result, tap)
+        except Exception:
+            result["detail"].setdefault("mtp_log", tap.mtp()[:20])  # what vllm-mlx said before it failed
+            raise
+
+    run_probe(RUNTIME, logged_body, argv, error_chars=1500)
     sys.stderr.flush()
     # After a failed load, vllm-mlx's engine thread is left behind and the interpreter's exit aborts
     # ("terminate called without an active exception"): the answer is out, leave without teardown.
