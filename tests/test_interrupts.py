@@ -87,11 +87,9 @@ def signal_workers_first(pgid: int, sig: int) -> None:
     os.kill(pgid, sig)
 
 
-@pytest.mark.parametrize("deliver", [signal_group, signal_workers_first], ids=["group", "workers-first"])
-def test_sigterm_while_the_worker_pool_runs(raw_checkpoints, tmp_path, deliver):
-    """As a CI runner cancels a job: SIGTERM to every process, the npquant workers included.
-    The run stops as on Ctrl-C: exit 130, one line naming the kept shards and the resume command,
-    no BrokenProcessPool, no traceback, no process left; the resume command finishes the job."""
+def start_slow_pool_conversion(raw_checkpoints, tmp_path):
+    """A 4-bit conversion into many small shards, its npquant workers slowed down, in its own
+    process group: (argv, OUT, the process, the folder its resume records appear in)."""
     src = raw_checkpoints("dense-sharded-tied").path
     out = tmp_path / "out"
     args = ["convert", str(src), str(out), "--bits", "4", "--group-size", "32", "--max-shard-size", "0.00004",
@@ -99,7 +97,15 @@ def test_sigterm_while_the_worker_pool_runs(raw_checkpoints, tmp_path, deliver):
     proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=slow_pool_env(tmp_path, 0.3))
-    records = tmp_path / ".out.partial" / RESUME_DIR
+    return args, out, proc, tmp_path / ".out.partial" / RESUME_DIR
+
+
+@pytest.mark.parametrize("deliver", [signal_group, signal_workers_first], ids=["group", "workers-first"])
+def test_sigterm_while_the_worker_pool_runs(raw_checkpoints, tmp_path, deliver):
+    """As a CI runner cancels a job: SIGTERM to every process, the npquant workers included.
+    The run stops as on Ctrl-C: exit 130, one line naming the kept shards and the resume command,
+    no BrokenProcessPool, no traceback, no process left; the resume command finishes the job."""
+    args, out, proc, records = start_slow_pool_conversion(raw_checkpoints, tmp_path)
     try:
         wait_for(lambda: records.is_dir() and any(records.glob("*.json")), 60, proc)
         assert len(group_members(proc.pid)) >= 3  # the parent and its worker processes
@@ -164,14 +170,7 @@ def test_ctrl_c_under_stream_stops_within_seconds(raw_checkpoints, tmp_path):
 def test_a_worker_killed_outright_is_named_and_the_shards_kept(raw_checkpoints, tmp_path):
     """SIGKILL (the kernel's OOM killer) on a worker: not a BrokenProcessPool bug report but a
     one-line error naming it, exit 2, the finished shards kept with the resume command."""
-    src = raw_checkpoints("dense-sharded-tied").path
-    out = tmp_path / "out"
-    args = ["convert", str(src), str(out), "--bits", "4", "--group-size", "32", "--max-shard-size", "0.00004",
-            "--no-smoke"]
-    proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=slow_pool_env(tmp_path, 0.3))
-    records = tmp_path / ".out.partial" / RESUME_DIR
+    args, out, proc, records = start_slow_pool_conversion(raw_checkpoints, tmp_path)
     try:
         wait_for(lambda: records.is_dir() and any(records.glob("*.json")), 60, proc)
         workers = pool_workers(proc.pid)
