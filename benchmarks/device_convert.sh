@@ -12,7 +12,8 @@
 #   LAYERS   decoder layers of the 27B-shaped source (default 24: ~23 GB)
 #   RESULTS  where the logs and JSON go (default ./gpu-results)
 # Steps (arguments, in order): setup, synth, io, split, sweep, split-cpu, bench:TOOLS (convert_bench.py's
-# --tools; add :N for N rounds), e.g.
+# --tools; add :N for N rounds), quantize-exact (benchmarks/quantize_exact.py), series:POINTS
+# (benchmarks/series.py's points, GPU tools and mtpconvert on the CPU backend, with digests), e.g.
 #   benchmarks/device_convert.sh setup synth io split bench:mlx_lm,mtpconvert-drop,mtpconvert:2
 set -u -o pipefail
 SRC=${SRC:-/tmp/s27}
@@ -53,6 +54,11 @@ for step in "$@"; do
       n=$(ls "$RESULTS"/bench*.json 2>/dev/null | wc -l)
       (cd benchmarks && python3 convert_bench.py "$SRC" --bits 4 --tools "$tools" --repeat "$rounds" --digest \
         --json "$RESULTS/bench$n.json") 2>&1 | tee -a "$LOG" ;;
+    quantize-exact)
+      PYTHONPATH=$PYTHONPATH:$PWD/tests python3 benchmarks/quantize_exact.py --json "$RESULTS/quantize_exact.json" 2>&1 | tee -a "$LOG" ;;
+    series:*)
+      (cd benchmarks && python3 series.py /tmp/series --points "${step#series:}" --digest \
+        --tools mlx_lm,mtpconvert-drop,mtpconvert,mtpconvert@cpu --json "$RESULTS/series_gpu.json") 2>&1 | tee -a "$LOG" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

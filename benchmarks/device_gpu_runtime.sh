@@ -2,7 +2,10 @@
 # Issue 17 item 5 on the device machine (MLX CUDA): `mtpconvert bench` (mlx-lm generate_step vs
 # MTP) on the realistic text fixtures, bf16 and 4-bit, depths 1 and 2, greedy; then
 # benchmarks/runtime_cost.py on a 27B-shaped 4-bit model (beta, delta, MTP vs mlx-lm tok/s).
-# Steps (arguments): part1 (copy the CUDA wheel's first half to /tmp), setup, fixtures, cost
+# Steps (arguments): part1 (copy the CUDA wheel's first half to /tmp), setup, fixtures, cost,
+#   train-moe (start, in the background, the MoE fixture candidates of $MOE_SHAPES on the stage in
+#   $STAGE, made by `tools/train_text_fixture.py prepare`), train-wait (wait for them; runs and logs
+#   to $RESULTS/train)
 #   .gpu/a/cuda.part0 + .gpu/b/cuda.part1 = the mlx-cuda-13 wheel's contents as a .tar.xz (split
 #   to fit the 64 MiB carry), .gpu/kit = the mlx (cp312) and mlx-lm wheels of the same version;
 #   the image's nvidia package folder (torch's) holds cuBLAS/cuDNN/NVRTC for CUDA 13.
@@ -11,6 +14,9 @@ set -u -o pipefail
 RESULTS=${RESULTS:-${OUT:-gpu-results}}
 LAYERS=${LAYERS:-8}
 TMO=${TMO:-480}
+STAGE=${STAGE:-.devfixture/stage}
+# name:train options, one candidate each (the shipped MoE fixture: 8 experts x 64, top 2, shared 128)
+MOE_SHAPES=${MOE_SHAPES:-"s32:--shared-expert-size 32|e16k4:--experts 16 --top-k 4 --shared-expert-size 32|i128:--expert-size 128 --shared-expert-size 32"}
 mkdir -p "$RESULTS"; RESULTS=$(cd "$RESULTS" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD:$PWD/tools
 LOG=$RESULTS/log.txt
@@ -42,6 +48,20 @@ for step in "$@"; do
     cost)
       (cd benchmarks && timeout "$TMO" python3 runtime_cost.py Qwen3.5-27B /tmp/rt27 --layers "$LAYERS" --bits 4 \
         --depth 1 --depth 2 --json "$RESULTS/runtime_27b_${LAYERS}l.json") 2>&1 | tee "$RESULTS/runtime_27b.txt" ;;
+    train-moe)
+      mkdir -p "$RESULTS/train"
+      IFS='|' read -ra shapes <<< "$MOE_SHAPES"
+      for spec in "${shapes[@]}"; do
+        name=${spec%%:*}; opts=${spec#*:}
+        # shellcheck disable=SC2086  # opts is a list of options
+        nohup python3 tools/train_text_fixture.py train --stage "$STAGE" --variant moe --out "$RESULTS/train/$name" \
+          --steps 1000 --warmup 100 --batch 64 --save-at 0.5 --logs 20 --eval-every 2 $opts \
+          > "$RESULTS/train/$name.log" 2>&1 &
+        echo "$name: $opts (pid $!)" | tee -a "$LOG"
+      done ;;
+    train-wait)
+      while pgrep -f "train_text_fixture.py train" > /dev/null; do sleep 5; done
+      tail -n 2 "$RESULTS"/train/*.log | tee -a "$LOG" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

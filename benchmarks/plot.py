@@ -1,6 +1,9 @@
 """Plot benchmarks/series.py results: source size vs wall time and vs peak RSS, per tool.
 
     python benchmarks/plot.py docs/perf/series.json docs/perf/scaling.png   (needs matplotlib: pip install -e '.[bench]')
+
+Every tool in the results is drawn; ``tool@cpu`` runs (MLX's CPU backend on a GPU machine) are
+labelled as such.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ def main(src: Path, out: Path) -> None:
     points = sorted(results.values(), key=lambda r: r["source_bytes"])
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     gib = 2**30
-    for tool, label in TOOLS.items():
+    tools = sorted({t for p in points for t in p["runs"]}, key=lambda t: (t.endswith("@cpu"), list(TOOLS).index(t.split("@")[0])))
+    for tool in tools:
+        label = TOOLS[tool.split("@")[0]] + (", CPU backend" if tool.endswith("@cpu") else "")
         for kind, marker in (("dense", "o"), ("moe", "s")):
-            pts = [p for p in points if ("A3B" in p["model"]) == (kind == "moe")]
+            pts = [p for p in points if ("A3B" in p["model"]) == (kind == "moe") and tool in p["runs"]]
             xs = [p["source_bytes"] / gib for p in pts]
             ax_t.plot(xs, [p["runs"][tool]["wall_s"] for p in pts], marker=marker,
                       label=f"{label}, {kind}", linestyle="-" if kind == "dense" else "none")

@@ -2,6 +2,7 @@
 35B-A3B-shaped MoE, each converted by mlx_lm.convert and mtpconvert in fresh processes, in one run.
 
     python benchmarks/series.py /tmp/series --json docs/perf/series.json [--repeat 2]
+    python benchmarks/series.py /tmp/series --json gpu.json --tools mlx_lm,mtpconvert,mlx_lm@cpu,mtpconvert@cpu --digest
     python benchmarks/plot.py docs/perf/series.json docs/perf/scaling.png
 
 Needs ~40 GiB of free disk for the sources (kept in ROOT, reused by later runs).
@@ -32,6 +33,9 @@ def main(argv=None):
     ap.add_argument("--shard-gb", type=float, default=2.0)
     ap.add_argument("--json", type=Path, required=True)
     ap.add_argument("--repeat", type=int, default=1, help="runs per tool, round-robin; the fastest is kept")
+    ap.add_argument("--tools", default="mlx_lm,mtpconvert-drop,mtpconvert",
+                    help="convert_bench.py tools; add @cpu ones for the CPU backend of a GPU machine")
+    ap.add_argument("--digest", action="store_true", help="record each output's digest (bytes across backends)")
     args = ap.parse_args(argv)
     results = json.loads(args.json.read_text()) if args.json.exists() else {}
     for name in args.points.split(","):
@@ -40,11 +44,11 @@ def main(argv=None):
         if not (src / "model.safetensors.index.json").exists():
             synth.write(model, src, layers, args.shard_gb, sparse=False)
         shards = sorted(src.glob("*.safetensors"))
-        tools = ("mlx_lm", "mtpconvert-drop", "mtpconvert")
+        tools = args.tools.split(",")
         tries = {t: [] for t in tools}
         for _ in range(args.repeat):  # round-robin, so a slow spell of the VM hits every tool
             for t in tools:
-                tries[t].append(convert_bench.run(t, src, 4))
+                tries[t].append(convert_bench.run(t, src, 4, digest=args.digest))
         rows = {t: min(runs, key=lambda r: r["wall_s"]) for t, runs in tries.items()}
         results[name] = {"model": model, "layers": layers, "source_bytes": sum(p.stat().st_size for p in shards),
                          "largest_shard": max(p.stat().st_size for p in shards), "runs": rows,

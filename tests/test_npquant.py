@@ -1,8 +1,9 @@
-"""npquant gives the bytes of MLX's CPU ``mx.quantize``, for every dtype, width and group
-size it takes, edge-case groups included; a conversion gives the same shards with or
-without it."""
+"""npquant, and the elementwise-ops quantizer a GPU backend runs (``ops.affine_quantize``), give
+the bytes of MLX's CPU ``mx.quantize``, for every dtype, width and group size they take,
+edge-case groups included; a conversion gives the same shards through any of them."""
 
 import itertools
+from collections import Counter
 import os
 import shutil
 
@@ -10,8 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from checkpoints import tree_digest
+from quant_cases import MX_DTYPES, TARGETS, edge_groups
 
-from mtpconvert.execute import npquant, quantpool
+from mtpconvert.execute import npquant, ops, quantpool
 from mtpconvert.execute import pipeline as execute_mod
 from mtpconvert.execute.blocks import quantized_in_numpy
 from mtpconvert.execute import execute
@@ -22,30 +24,6 @@ from mtpconvert.options import QuantOptions
 from mtpconvert.io.reader import read_all
 from mtpconvert.io.shard_writer import write_all
 from mtpconvert.io.checkpoint import open_checkpoint
-
-MX_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}
-TARGETS = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-
-
-def edge_groups(cols: int, rng) -> np.ndarray:
-    """Rows of values that stress each branch of the kernel's scale/bias rule."""
-    rows = [
-        np.zeros(cols),  # q0 == 0, zero span
-        -np.zeros(cols),  # -0.0 everywhere
-        np.full(cols, 0.5), np.full(cols, -0.3),  # constant groups: eps span, huge |edge/scale|
-        np.full(cols, 1e-9), np.where(np.arange(cols) % 2, 1e-40, 0.0),  # tiny, subnormal
-        rng.standard_normal(cols) * 100,  # wide
-        -np.abs(rng.standard_normal(cols)), np.abs(rng.standard_normal(cols)),  # one-signed
-        rng.standard_normal(cols) * 0.02,  # typical weights
-        rng.standard_normal(cols) * 0.02 + 0.05,  # offset: small |edge/scale|, q0 near +-1
-    ]
-    # edge/scale = t exactly, for t in the rounding corners: min = -t * span/15, max = span - t*span/15
-    for t in (0.5, 0.49, 0.51, 1.5, 1.49, 2.5, 7.5):
-        row = np.linspace(0, 1, cols) * 15 - t
-        rows.append(row * 0.01)
-        rows.append(-row * 0.01)
-    return np.stack(rows).astype(np.float32)
-
 
 def mlx_bytes(w: mx.array, target: str, bits: int, group: int):
     out = mx.quantize(w.astype(TARGETS[target]), group_size=group, bits=bits)
@@ -70,6 +48,18 @@ def test_bytes_match_mx_quantize(source, target):
                                      source, target, bits, group)
         assert made is not None
         assert [a.tobytes() for a in made] == mlx_bytes(w, target, bits, group), (bits, group)
+
+
+@pytest.mark.parametrize("source,target", list(itertools.product(MX_DTYPES, TARGETS)))
+def test_gpu_quantizer_gives_the_cpu_kernels_bytes(source, target):
+    values = edge_groups(256, np.random.default_rng(1))
+    if "float16" in (source, target) or source == "F16":
+        values = np.clip(values, -6e4, 6e4)
+    w = mx.array(values).astype(MX_DTYPES[source]).astype(TARGETS[target])
+    for bits, group in itertools.product(ops.AFFINE_BITS, npquant.GROUP_SIZES):
+        made = ops.affine_quantize(w, bits, group)
+        assert [np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes() for a in made] == \
+            mlx_bytes(w, target, bits, group), (bits, group)
 
 
 def test_chunking_does_not_change_the_bytes(monkeypatch):
@@ -149,6 +139,32 @@ def test_conversion_is_byte_identical_with_and_without_numpy(raw_checkpoints, tm
     assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
 
 
+def quantize_as_on_a_gpu(monkeypatch) -> Counter:
+    """From here on conversions quantize as on a GPU backend (``ops.affine_quantize``, MLX path
+    only); the counter counts its blocks."""
+    calls = Counter()
+    real = ops.affine_quantize
+
+    def counted(*args):
+        calls["blocks"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(ops, "kernel_differs_from_cpu", lambda: True)
+    monkeypatch.setattr(ops, "affine_quantize", counted)
+    monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
+    return calls
+
+
+def test_conversion_is_byte_identical_through_the_gpu_quantizer(raw_checkpoints, tmp_path, monkeypatch):
+    ckpt = open_checkpoint(raw_checkpoints("moe-fused").path)
+    plan = build_plan(ckpt, CASES["moe-fused"])
+    execute(plan, ckpt, tmp_path / "cpu", block_bytes=3000, workers=2)
+    calls = quantize_as_on_a_gpu(monkeypatch)
+    execute(plan, ckpt, tmp_path / "gpu", block_bytes=3000, workers=2)
+    assert calls["blocks"] > 2
+    assert tree_digest(tmp_path / "gpu") == tree_digest(tmp_path / "cpu")
+
+
 def test_a_block_with_a_nan_is_made_by_mlx(raw_checkpoints, tmp_path, monkeypatch, numpy_pool):
     src = tmp_path / "src"
     shutil.copytree(raw_checkpoints("dense-sharded-tied").path, src)
@@ -167,6 +183,11 @@ def test_a_block_with_a_nan_is_made_by_mlx(raw_checkpoints, tmp_path, monkeypatc
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
     execute(plan, ckpt, tmp_path / "mlx", block_bytes=1 << 40)
     assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
+    # through the GPU quantizer, the NaN's block keeps MLX's own result
+    calls = quantize_as_on_a_gpu(monkeypatch)
+    execute(plan, ckpt, tmp_path / "gpu", block_bytes=1 << 40)
+    assert calls["blocks"] > 2
+    assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "gpu")
 
 
 def test_a_shard_truncated_after_planning_is_named_before_a_worker_reads_it(raw_checkpoints, tmp_path, numpy_pool):

@@ -165,15 +165,30 @@ VARIANTS = {
 }
 
 
-def text_config(variant: str) -> dict:
+# train/export options that override VARIANTS["moe"] (None: keep the variant's value)
+MOE_SHAPE = {"experts": "num_experts", "top_k": "num_experts_per_tok", "expert_size": "moe_intermediate_size",
+             "shared_expert_size": "shared_expert_intermediate_size"}
+
+
+def moe_shape(args) -> dict:
+    """The MoE sizes given on the command line, as config keys (train's args, or the run's logged args)."""
+    given = args if isinstance(args, dict) else vars(args)
+    return {key: given[opt] for opt, key in MOE_SHAPE.items() if given.get(opt) is not None}
+
+
+def text_config(variant: str, shape: dict = None) -> dict:
     cfg = dict(TEXT, **VARIANTS[variant])
+    if shape:
+        if variant != "moe":
+            raise ValueError("MoE sizes apply to --variant moe only")
+        cfg.update(shape)
     cfg["model_type"] = "qwen3_5_moe_text" if variant == "moe" else "qwen3_5_text"
     return cfg
 
 
-def hf_config(variant: str) -> dict:
+def hf_config(variant: str, shape: dict = None) -> dict:
     moe = variant == "moe"
-    text = dict(text_config(variant), dtype="bfloat16")
+    text = dict(text_config(variant, shape), dtype="bfloat16")
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5_moe" if moe else "qwen3_5",
@@ -275,12 +290,12 @@ def torch_classes(variant: str):
     return LM, Config, Layer, Norm
 
 
-def build_torch(variant: str):
+def build_torch(variant: str, shape: dict = None):
     """(backbone Qwen3_5[Moe]ForCausalLM, MTP head module, transformers config)."""
     import torch.nn as nn
 
     LM, Config, Layer, Norm = torch_classes(variant)
-    cfg = {k: v for k, v in text_config(variant).items() if k != "model_type"}
+    cfg = {k: v for k, v in text_config(variant, shape).items() if k != "model_type"}
     config = Config(**cfg)
     config._attn_implementation = "sdpa"
     lm = LM(config)
@@ -383,7 +398,7 @@ def train(args) -> None:
         torch.backends.cudnn.allow_tf32 = True
     train_ids = torch.from_numpy(np.load(stage / "train.npy").astype(np.int64)).to(dev)
     held_ids = torch.from_numpy(np.load(stage / "heldout.npy").astype(np.int64)).to(dev)
-    lm, head, config = build_torch(args.variant)
+    lm, head, config = build_torch(args.variant, moe_shape(args))
     if args.final_norm_spread > 1:
         # Per-channel gains of the final norms, log-uniform in [1/spread, spread] at init (trainable):
         # a tiny model left alone learns a nearly uniform final-norm gain, which makes the pre-norm
@@ -557,7 +572,7 @@ def export(args) -> None:
         stored[k] = a if k.endswith(F32_SUFFIXES) else a.astype(mx.bfloat16)  # bf16 -> f32 -> bf16 is exact
     out.mkdir(parents=True, exist_ok=True)
     write_all(out / "model.safetensors", stored, {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(args.variant), indent=4) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config(args.variant, moe_shape(log["args"])), indent=4) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 2}, indent=2) + "\n")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((stage / f).read_bytes())
@@ -603,7 +618,8 @@ def parity(args) -> None:
     state = {}  # raw -> transformers names (inverse of raw_names)
     for k, v in raw.items():
         state[("model." + k[len("model.language_model."):]) if k.startswith("model.language_model.") else k] = v.float()
-    lm, head, _ = build_torch(variant)
+    text = cfg["text_config"]
+    lm, head, _ = build_torch(variant, {k: text[k] for k in MOE_SHAPE.values()} if variant == "moe" else None)
     mtp_state = {k[4:]: v for k, v in state.items() if k.startswith("mtp.")}
     if variant == "moe":  # per-expert MTP experts -> fused
         E = cfg["text_config"]["num_experts"]
@@ -669,6 +685,10 @@ def main(argv=None) -> None:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--experts", type=int, default=None, help="MoE: routed experts (default: the variant's)")
+    p.add_argument("--top-k", type=int, default=None, help="MoE: experts per token")
+    p.add_argument("--expert-size", type=int, default=None, help="MoE: each routed expert's intermediate size")
+    p.add_argument("--shared-expert-size", type=int, default=None, help="MoE: the shared expert's intermediate size")
     p.add_argument("--final-norm-spread", type=float, default=3.0,
                    help="final norms' gains start log-uniform in [1/S, S] (1: all ones)")
     p.add_argument("--device", default=None)

@@ -15,7 +15,7 @@ from ..errors import OptionsError
 from . import options as o
 from .errors import handled
 from .helpfmt import Command
-from .render import bench_table, report_table, runtimes_table
+from .render import bench_table, divergence_text, report_table, runtimes_table
 
 console = Console(stderr=True)
 out_console = Console()
@@ -40,17 +40,12 @@ BENCH_EPILOG = """Examples:
 """
 
 
-def _divergence(d) -> str:
-    margin = "" if d.margin is None else f", top-2 logit margin {d.margin:.3g}"
-    return f"prompt {d.prompt} token {d.position} ({d.plain_token} vs {d.mtp_token}{margin})"
-
-
 def print_smoke(result, to: Console) -> None:
     status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
     acc, prop = sum(result.mtp.accepted), sum(result.mtp.proposed)
     # token identity is a diagnostic: near-ties may part a k+1-token verify pass from a 1-token step
     same = "identical to plain greedy" if result.identical else (
-        "[yellow]differs from plain greedy[/yellow] at " + "; ".join(map(_divergence, result.divergences)))
+        "[yellow]differs from plain greedy[/yellow] at " + "; ".join(map(divergence_text, result.divergences)))
     to.print(f"MTP draft acceptance ({result.hidden}): {acc}/{prop} = {result.acceptance:.1%} "
              f"(floor {result.min_acceptance:.0%}), {result.mtp.tokens_per_step:.2f} tokens/step, output {same} "
              f"{status}", highlight=False)

@@ -129,6 +129,11 @@ def runtimes_table(runtimes: List[RuntimeCompat], layout: str, console: Console)
     console.print(table)
 
 
+def divergence_text(d) -> str:
+    margin = "" if d.margin is None else f", top-2 logit margin {d.margin:.3g}"
+    return f"prompt {d.prompt} token {d.position} ({d.plain_token} vs {d.mtp_token}{margin})"
+
+
 def bench_table(result, console: Console) -> None:
     """One row per (hidden convention, depth): acceptance, tokens/step, tok/s both ways, speedup, costs."""
     s = result.sampling
@@ -150,9 +155,10 @@ def bench_table(result, console: Console) -> None:
             f"{r.overhead:.0%}" if r.overhead is not None else "-",
         )
     print_whole(table, console)
-    mismatched = [f"{r.hidden} k={r.depth}" for r in result.rows if r.mismatched_prompts]
-    if mismatched:
-        console.print(f"[red]greedy MTP output differs from mlx-lm's[/red] ({', '.join(mismatched)})")
+    for r in result.rows:
+        if r.divergences:
+            console.print(f"[yellow]greedy MTP output differs from mlx-lm's[/yellow] ({r.hidden} k={r.depth}): "
+                          + "; ".join(divergence_text(d) for d in r.divergences))
     console.print("speedup: MTP tok/s ÷ mlx-lm tok/s (mlx_lm.generate.generate_step, same sampler and prompts); "
                   "our loop: mtpconvert's synchronous plain loop, a cross-check; "
                   "accept: accepted/proposed drafts; drafted: share of emitted tokens that came from drafts; "

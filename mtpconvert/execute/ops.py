@@ -45,10 +45,66 @@ def cast(w: mx.array, dtype: str) -> mx.array:
     return w if w.dtype == target else w.astype(target)
 
 
+def kernel_differs_from_cpu() -> bool:
+    """Whether MLX's ``mx.quantize`` here may not give its CPU kernel's bytes (any GPU backend)."""
+    return mx.default_device().type != mx.DeviceType.cpu
+
+
+AFFINE_BITS = (2, 4, 8)  # widths whose codes tile a 32-bit word
+
+
 def quantize(w: mx.array, q: QuantSpec) -> List[mx.array]:
-    """-> [packed weight, scales] (+ biases for affine), as mlx.nn.QuantizedLinear stores them."""
+    """-> [packed weight, scales] (+ biases for affine), as mlx.nn.QuantizedLinear stores them.
+
+    On a GPU backend affine 2/4/8-bit goes through ``affine_quantize``: MLX's CUDA kernel does
+    not give its CPU kernel's bytes, and a conversion's shards must not depend on where it ran.
+    """
     out = mx.quantize(w, group_size=q.group_size, bits=q.bits, mode=q.mode)
-    return [a for a in out if a is not None]
+    out = [a for a in out if a is not None]
+    if q.mode == "affine" and q.bits in AFFINE_BITS and w.dtype in FLOAT_DTYPES and kernel_differs_from_cpu():
+        exact = affine_quantize(w, q.bits, q.group_size)
+        # a non-finite group keeps MLX's own result (lazy select: no host sync in the pipeline)
+        finite = mx.all(mx.isfinite(exact[1])) & mx.all(mx.isfinite(exact[2]))
+        out = [mx.where(finite, a, b) for a, b in zip(exact, out)]
+    return out
+
+
+def kernel_differs_from_cpu() -> bool:
+    """Whether MLX's ``mx.quantize`` here may not give its CPU kernel's bytes (any GPU backend)."""
+    return mx.default_device().type != mx.DeviceType.cpu
+
+
+AFFINE_BITS = (2, 4, 8)  # widths whose codes tile a 32-bit word
+FLOAT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def affine_quantize(w: mx.array, bits: int, group_size: int) -> List[mx.array]:
+    """MLX's CPU affine quantization as elementwise MLX ops: ``[packed uint32, scales, biases]``.
+
+    The scale/bias rule and the code rounding are the CPU kernel's float32 operations in its
+    order (as in ``npquant``); each is an exactly rounded op, so the bytes do not depend on the
+    backend (``tests/test_ops.py`` compares them with the CPU kernel; the GPU check is
+    ``benchmarks/quantize_exact.py``). Non-finite groups are not reproduced.
+    """
+    *lead, cols = w.shape
+    x = w.astype(mx.float32).reshape(-1, cols // group_size, group_size)
+    n_bins = float((1 << bits) - 1)
+    w_max = mx.max(x, axis=-1, keepdims=True)
+    w_min = mx.min(x, axis=-1, keepdims=True)
+    mask = mx.abs(w_min) > mx.abs(w_max)
+    span = mx.maximum((w_max - w_min) / n_bins, 1e-7)
+    scale = mx.where(mask, span, -span)
+    edge = mx.where(mask, w_min, w_max)
+    q0 = mx.round(edge / scale)
+    nonzero = q0 != 0
+    scale = mx.where(nonzero, edge / mx.where(nonzero, q0, 1.0), scale)
+    bias = mx.where(nonzero, edge, 0.0)
+    codes = mx.clip(mx.round((x - bias) / scale), 0.0, n_bins).astype(mx.uint32)
+    per_word = 32 // bits
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    packed = mx.sum(codes.reshape(-1, cols // per_word, per_word) << shifts, axis=-1)  # disjoint fields: sum = OR
+    shape = (*lead, -1)
+    return [packed.reshape(shape), scale.astype(w.dtype).reshape(shape), bias.astype(w.dtype).reshape(shape)]
 
 
 def gather(sources: Sequence[mx.array], how: Gather) -> mx.array:

@@ -25,7 +25,7 @@ from .load import MTPModel, load
 from .rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
 from .sampling import Sampling
 from .baseline import DECODER, mlx_lm_generate
-from .smoke import encode_prompts
+from .smoke import Divergence, divergence, encode_prompts
 from .speculative import DecodeStats, backbone_forward, mtp_generate, plain_generate
 
 
@@ -79,7 +79,13 @@ class BenchRow:
     plain: DecodeStats
     costs: Optional[StepCosts] = None
     plain_loop: DecodeStats = field(default_factory=DecodeStats)
-    mismatched_prompts: Optional[List[int]] = None  # greedy: prompts whose MTP tokens differ from mlx-lm's
+    # greedy only: where MTP's tokens first part from mlx-lm's, with mlx-lm's top-2 logit margin
+    # there (a near-tie is a kernel difference between a k+1-token pass and a 1-token step)
+    divergences: Optional[List[Divergence]] = None
+
+    @property
+    def mismatched_prompts(self) -> Optional[List[int]]:
+        return None if self.divergences is None else [d.prompt for d in self.divergences]
 
     @property
     def speedup(self) -> float:
@@ -114,6 +120,7 @@ class BenchRow:
         if self.mismatched_prompts is not None:
             out["greedy_identical_to_mlx_lm"] = not self.mismatched_prompts
             out["mismatched_prompts"] = self.mismatched_prompts
+            out["divergences"] = [d.to_json() for d in self.divergences]
         if self.costs:
             out["costs"] = self.costs.to_json()
             out["reject_share"] = round(self.reject_share, 4)
@@ -261,7 +268,7 @@ def bench_row(m: MTPModel, encoded: Sequence[List[int]], max_tokens: int, hidden
               sampling: Sampling, seed: int, on_tokens: Optional[Callable[[int], None]]) -> BenchRow:
     """The three decoders on every prompt, interleaved per prompt so drift (heat, other load) hits all alike."""
     row = BenchRow(hidden, depth, DecodeStats(depth=depth), DecodeStats(),
-                   mismatched_prompts=[] if sampling.greedy else None)
+                   divergences=[] if sampling.greedy else None)
     for i, ids in enumerate(encoded):
         reference, ps = mlx_lm_generate(m, ids, max_tokens, sampling, seed + i, on_tokens=on_tokens)
         _, ls = plain_generate(m, ids, max_tokens, sampling, seed + i)
@@ -269,6 +276,8 @@ def bench_row(m: MTPModel, encoded: Sequence[List[int]], max_tokens: int, hidden
         row.plain.add(ps)
         row.plain_loop.add(ls)
         row.mtp.add(ms)
-        if sampling.greedy and tokens != reference:
-            row.mismatched_prompts.append(i)
+        if sampling.greedy:
+            found = divergence(m, i, ids, reference, tokens)
+            if found is not None:
+                row.divergences.append(found)
     return row
