@@ -4,8 +4,9 @@
 # benchmarks/runtime_cost.py on a 27B-shaped 4-bit model (beta, delta, MTP vs mlx-lm tok/s).
 # Steps (arguments): part1 (copy the CUDA wheel's first half to /tmp), setup, fixtures, cost,
 #   train-moe (start, in the background, the MoE fixture candidates of $MOE_SHAPES on the stage in
-#   $STAGE, made by `tools/train_text_fixture.py prepare`), train-wait (wait for them; runs and logs
-#   to $RESULTS/train)
+#   $STAGE, made by `tools/train_text_fixture.py prepare`; runs in /tmp/train), train-wait (wait for
+#   them), train-eval (export each to the raw layout, convert it to float32, run
+#   benchmarks/mtp_mlp_ablation.py; $RESULTS/cand_NAME.tgz holds the exported fixture)
 #   .gpu/a/cuda.part0 + .gpu/b/cuda.part1 = the mlx-cuda-13 wheel's contents as a .tar.xz (split
 #   to fit the 64 MiB carry), .gpu/kit = the mlx (cp312) and mlx-lm wheels of the same version;
 #   the image's nvidia package folder (torch's) holds cuBLAS/cuDNN/NVRTC for CUDA 13.
@@ -15,6 +16,7 @@ RESULTS=${RESULTS:-${OUT:-gpu-results}}
 LAYERS=${LAYERS:-8}
 TMO=${TMO:-480}
 STAGE=${STAGE:-.devfixture/stage}
+TRAIN_ARGS=${TRAIN_ARGS:-"--steps 1000 --warmup 100 --batch 64 --save-at 0.5 --logs 20 --eval-every 2"}
 # name:train options, one candidate each (the shipped MoE fixture: 8 experts x 64, top 2, shared 128)
 MOE_SHAPES=${MOE_SHAPES:-"s32:--shared-expert-size 32|e16k4:--experts 16 --top-k 4 --shared-expert-size 32|i128:--expert-size 128 --shared-expert-size 32"}
 mkdir -p "$RESULTS"; RESULTS=$(cd "$RESULTS" && pwd)
@@ -49,19 +51,31 @@ for step in "$@"; do
       (cd benchmarks && timeout "$TMO" python3 runtime_cost.py Qwen3.5-27B /tmp/rt27 --layers "$LAYERS" --bits 4 \
         --depth 1 --depth 2 --json "$RESULTS/runtime_27b_${LAYERS}l.json") 2>&1 | tee "$RESULTS/runtime_27b.txt" ;;
     train-moe)
-      mkdir -p "$RESULTS/train"
+      mkdir -p /tmp/train
       IFS='|' read -ra shapes <<< "$MOE_SHAPES"
       for spec in "${shapes[@]}"; do
         name=${spec%%:*}; opts=${spec#*:}
-        # shellcheck disable=SC2086  # opts is a list of options
-        nohup python3 tools/train_text_fixture.py train --stage "$STAGE" --variant moe --out "$RESULTS/train/$name" \
-          --steps 1000 --warmup 100 --batch 64 --save-at 0.5 --logs 20 --eval-every 2 $opts \
-          > "$RESULTS/train/$name.log" 2>&1 &
+        echo "python tools/train_text_fixture.py train --stage stage --variant moe --out run-$name $TRAIN_ARGS $opts" \
+          > "/tmp/train/$name.cmd"
+        # shellcheck disable=SC2086  # options lists
+        nohup python3 tools/train_text_fixture.py train --stage "$STAGE" --variant moe --out "/tmp/train/$name" \
+          $TRAIN_ARGS $opts > "/tmp/train/$name.log" 2>&1 &
         echo "$name: $opts (pid $!)" | tee -a "$LOG"
       done ;;
     train-wait)
       while pgrep -f "train_text_fixture.py train" > /dev/null; do sleep 5; done
-      tail -n 2 "$RESULTS"/train/*.log | tee -a "$LOG" ;;
+      tail -n 2 /tmp/train/*.log | tee -a "$LOG" ;;
+    train-eval)
+      for run in /tmp/train/*/; do
+        name=$(basename "$run"); cand=/tmp/cand/$name
+        python3 tools/train_text_fixture.py export --stage "$STAGE" --run "$run" --variant moe --out "$cand" \
+          --commands "python tools/train_text_fixture.py prepare --stage stage" "$(cat "/tmp/train/$name.cmd")" \
+          "python tools/train_text_fixture.py export --stage stage --run run-$name --variant moe" 2>&1 | tee -a "$LOG"
+        python3 -m mtpconvert convert "$cand" "/tmp/cand/$name-f32" --dtype float32 --no-smoke >> "$LOG" 2>&1
+        python3 benchmarks/mtp_mlp_ablation.py "/tmp/cand/$name-f32" --heldout "$STAGE/heldout.npy" \
+          --json "$RESULTS/ablation_$name.json" 2>&1 | tee -a "$LOG"
+        tar czf "$RESULTS/cand_$name.tgz" -C /tmp/cand "$name"
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
