@@ -13,8 +13,11 @@ over: page cache counts too and is reclaimed first); the disk is an ext4 image o
 mounted with ``-o loop``, holding the converter's working directory (OUT, the streamed raw
 shards, the huggingface_hub cache). The synthetic source (``benchmarks/synth.py``) and the Hub's
 storage live outside both limits, like the real Hub. Prints one JSON record: peak RSS of the
-largest process, the cgroup's peak (RSS + page cache), peak disk used on the image (sampled
-every 20 ms), wall time, and what the repo received.
+largest process, the cgroup's peak (RSS + page cache), peak disk used on the image and peak bytes
+allocated in the partial output folder (both sampled every 20 ms), wall time, and what the repo
+received. With the smoke on (the default: ``--smoke-mode layerwise``, random weights so
+``--min-acceptance 0``) the smoke is fed each output shard as it is written and the shard is freed
+once uploaded and consumed.
 """
 
 from __future__ import annotations
@@ -81,6 +84,18 @@ def disk_used(mount: Path) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def allocated_under(folder: Path) -> int:
+    """Bytes allocated to the files under ``folder`` (holes not counted: a header stub is a few blocks)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:  # deleted while walking
+                pass
+    return total
+
+
 class DiskWatch(threading.Thread):
     def __init__(self, mount: Path, every: float = 0.02):
         super().__init__(daemon=True)
@@ -90,7 +105,10 @@ class DiskWatch(threading.Thread):
     def run(self):
         while not self._halt.is_set():
             self.peak = max(self.peak, disk_used(self.mount) - self.base)
+            self.peak_output = max(self.peak_output, allocated_under(self.mount / ".out.partial"))
             self._halt.wait(self.every)
+
+    peak_output = 0  # the partial output folder alone (shards with data, sidecar, the smoke's copies)
 
     def stop(self) -> int:
         self._halt.set()
@@ -118,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-gb", type=float, default=1.0)
     ap.add_argument("--disk-gb", type=float, default=2.75)
     ap.add_argument("--no-smoke", action="store_true")
+    ap.add_argument("--smoke-mode", default="layerwise", choices=["layerwise", "full"],
+                    help="layerwise: fed shard by shard, shards freed as they go; full: every shard kept to the end")
     ap.add_argument("--work", type=Path, default=Path("/tmp/constrained-publish"))
     args = ap.parse_args(argv)
 
@@ -142,7 +162,7 @@ def main(argv=None) -> int:
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             command = ["pull-and-quantize", "Qwen/Synth", str(mount / "out"), "--bits", str(args.bits),
                        "--stream", "--max-shard-size", str(args.out_shard_gb), "--upload-repo", "bench/synth"]
-            command += ["--no-smoke"] if args.no_smoke else ["--smoke-mode", "layerwise", "--min-acceptance", "0"]
+            command += ["--no-smoke"] if args.no_smoke else ["--smoke-mode", args.smoke_mode, "--min-acceptance", "0"]
             watch = DiskWatch(mount)
             watch.start()
             t0 = time.perf_counter()
@@ -168,6 +188,7 @@ def main(argv=None) -> int:
                 "cgroup_peak_bytes": cgroup_peak(group),
                 "oom_kills": oom_kills(group),
                 "peak_disk_bytes": peak_disk,
+                "peak_output_folder_bytes": watch.peak_output,
                 "wall_s": round(wall, 1),
                 "tail": (proc.stdout + proc.stderr).strip().splitlines()[-6:],
             }

@@ -95,17 +95,19 @@ def _interrupted(out: Path, kept: Optional[Kept]) -> Interrupted:
 def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwrite: bool, resume: bool,
              events: Events, extra_metadata: Optional[dict], stream=None, publisher=None,
              after_checks: Optional[Callable[[Path, CheckRecord], None]] = None) -> ConversionResult:
-    """``publisher`` (``hub.publish.ShardPublisher``) receives each finished shard; ``after_checks``
-    runs on the temp folder once the checks passed, before it becomes OUT (a failure keeps the shards)."""
+    """``publisher`` (``hub.publish.ShardPublisher``) receives each finished shard (and feeds its
+    ``consumer``, the streamed smoke, which then replaces the post-hoc one); ``after_checks`` runs on
+    the temp folder once the checks passed, before it becomes OUT (a failure keeps the shards)."""
     from .execute import execute
 
     events.plan(plan_)
     record = CheckRecord()
+    streamed = getattr(publisher, "consumer", None)
 
     def check(folder: Path) -> None:
         if publisher is not None:
             publisher.drain()  # the last shard's upload: an upload error is reported before any check runs
-        run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage)
+        run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage, streamed=streamed)
         if after_checks is not None:
             after_checks(folder, record)
 
@@ -116,6 +118,10 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwr
     except KeyboardInterrupt as e:
         raise _interrupted(out, _kept(e, record)) from None
     except BaseException as e:
+        if streamed is not None:
+            streamed.close()  # its copies go; the shards it fed stay (or are on the Hub) for --resume
+            if streamed.failed:  # it raised while fed during the conversion: the resume advice is the smoke's
+                record.failed, record.smoke_mode = "smoke", "layerwise"
         # finished shards that survived (a post-check failed, an error after some shards were
         # written) are named on the error, whatever its type, so the caller can say how to resume
         kept = _kept(e, record)
@@ -210,12 +216,13 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
     from .hub.stream import ShardStream, first_use_order
 
     stage = local_dir or out.absolute().parent / f".{out.name}.stream"
-    publisher = (_publisher(publish, out, token, keep_files=checks.smoke and options.quant.mtp != "drop")
-                 if publish else None)
+    publisher = None
     try:
         events.stage(f"reading {pulled.repo_id} shard headers")
         ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=token, timeout=timeout))
         plan_ = build_plan(ckpt, options)
+        if publish:
+            publisher = _publisher(publish, out, token, plan_, checks)
         feed = ShardStream(first_use_order(plan_, ckpt),
                            lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout))
         if publisher is not None:
@@ -239,11 +246,21 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def _publisher(publish: dict, out: Path, token: Optional[str], *, keep_files: bool):
+def _publisher(publish: dict, out: Path, token: Optional[str], plan_: Plan, checks: Checks):
+    """Shards go up as they are written. With the smoke on, the layerwise smoke is fed each shard as it
+    is finished and the shard's data is freed once uploaded and consumed (disk: two output shards);
+    only ``--smoke-mode full``, which loads the whole folder, keeps every shard until the end."""
+    from .execute.run import index_json
     from .hub.publish import ShardPublisher
+    from .runtime.streamed import StreamedLayerwise
 
+    smoke = checks.smoke and plan_.mtp_layers > 0
+    consumer = None
+    if smoke and checks.smoke_mode != "full":
+        consumer = StreamedLayerwise(index_json(plan_)["weight_map"], prompts=checks.prompts,
+                                     min_acceptance=checks.floor_for("layerwise"))
     return ShardPublisher(publish["repo_id"], _partial(out.absolute()), token=token, private=publish["private"],
-                          keep_files=keep_files)
+                          keep_files=smoke and consumer is None, consumer=consumer)
 
 
 def _committer(publisher, publish: dict, events: Events) -> Callable[[Path, CheckRecord], None]:

@@ -25,6 +25,7 @@ from .verify import ERROR, Report, verify
 
 DEFAULT_MIN_ACCEPTANCE = 0.40  # the decoding smoke's floor: runtime/smoke.py says where it comes from
 SMOKE_MODES = ("auto", "full", "layerwise")
+STREAMED_REASON = "shards uploaded and freed as they are written: layerwise, fed each shard as it was finished"
 
 
 class CheckFailed(ConvertError):
@@ -162,6 +163,17 @@ def smoke_layerwise(folder: Path, checks: Checks, on_stage: Callable[[str], None
     return result
 
 
+def smoke_streamed(streamed, checks: Checks, on_stage: Callable[[str], None]):
+    """The layerwise smoke that was fed each output shard as it was written (``runtime.streamed``):
+    only the head and lm_head are left to run."""
+    on_stage("MTP smoke test (layerwise, fed shard by shard: the head and lm_head)")
+    floor = checks.floor_for("layerwise")
+    result = streamed.finish()
+    if not result.ok:
+        raise _smoke_failed(result.acceptance, floor, "layerwise, teacher-forced, streamed", result.path)
+    return result
+
+
 def smoke_folder(folder: Path, checks: Checks, record: CheckRecord,
                  on_stage: Callable[[str], None] = lambda s: None):
     """The smoke ``checks.smoke_mode`` asks for (auto: whichever fits); raise ``CheckFailed``
@@ -174,14 +186,19 @@ def smoke_folder(folder: Path, checks: Checks, record: CheckRecord,
 
 
 def run_checks(folder: Path, checks: Checks, record: CheckRecord, *, has_mtp: bool,
-               on_stage: Callable[[str], None] = lambda s: None) -> None:
+               on_stage: Callable[[str], None] = lambda s: None, streamed=None) -> None:
     """The checks ``checks`` asks for, on ``folder``; findings go into ``record`` (``record.failed``
-    names the check that raised, for the caller's resume advice)."""
+    names the check that raised, for the caller's resume advice). ``streamed``: the smoke already
+    fed the shards as they were written (``runtime.streamed.StreamedLayerwise``): it finishes here."""
     if checks.verify:
         on_stage("verifying")
         record.failed = "verify"
         record.verify = verify_folder(folder)
     if checks.smoke and has_mtp:
         record.failed = "smoke"
-        smoke_folder(folder, checks, record, on_stage)
+        if streamed is not None:
+            record.smoke_mode, record.smoke_reason = "layerwise", STREAMED_REASON
+            record.smoke = smoke_streamed(streamed, checks, on_stage)
+        else:
+            smoke_folder(folder, checks, record, on_stage)
     record.failed = None

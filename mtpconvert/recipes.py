@@ -34,7 +34,7 @@ from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 BUNDLED = Path(__file__).parent / "data" / "recipes"
 REPO = re.compile(r"^Qwen/Qwen3\.[56]-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
-        "runner"}
+        "runner", "max_shard_gb"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,31 @@ RUNNERS: Dict[str, Runner] = {
     "xlarge": Runner(32, 255, "ubuntu-latest-8-cores"),
     "2xlarge": Runner(64, 510, "ubuntu-latest-16-cores"),
 }
-RAW_SHARD_GB = 5.0  # a Qwen3.5/3.6 release's safetensors shards are at most this size
+
+
+@dataclass(frozen=True)
+class Release:
+    """What sizes a publish job, per source release (tests/data/layouts: SOURCE.md gives the shard
+    counts, the tensor tables the rest; tools/layouts.py reads them)."""
+
+    raw_shards: int  # safetensors shards of the release (bf16): a raw shard is params * 2 / raw_shards
+    hidden: int  # lm_head is vocab x hidden
+    head_gb: float  # the MTP head's fc, norms and layer 0 in bf16: the sidecar on disk (--mtp keep)
+    head_cpu_gb: float  # the same held by the layerwise smoke on the CPU: float experts cast to float32
+    layer_b: float  # parameters of the largest decoder layer, in billions
+
+
+RELEASES: Dict[str, Release] = {
+    "Qwen3.5-27B": Release(11, 5120, 0.85, 0.85, 0.38),
+    "Qwen3.6-27B": Release(15, 5120, 0.85, 0.85, 0.38),
+    "Qwen3.5-35B-A3B": Release(14, 2048, 1.69, 3.30, 0.84),
+    "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 3.30, 0.84),
+    "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 9.88, 2.51),
+    "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 26.08, 6.58),
+}
+VOCAB = 248320
+STREAM_SHARD_GB = 1.0  # output shard size of a recipe run (max_shard_gb): two of them are on disk at once
+MARGIN_GB = 1.0  # config, tokenizer, index, logs, filesystem slack
 
 
 @dataclass(frozen=True)
@@ -73,19 +97,38 @@ class Recipe:
     upload_repo: Optional[str] = None
     keep_vision: bool = False
     runner: str = "standard"
+    max_shard_gb: float = STREAM_SHARD_GB
 
     @property
     def params_b(self) -> float:
         """Total parameters in billions, from the repository name (Qwen3.5-122B-A10B: 122)."""
         return float(re.search(r"-(\d+(?:\.\d+)?)B", self.repo).group(1))
 
-    def disk_needed_gb(self) -> float:
-        """Peak disk of ``recipe run --stream``: the whole output (it is uploaded from disk at the
-        end), two raw shards, and 2 GB of sidecars, cache and logs. The output is the parameters at
-        ``bits`` plus a 16-bit scale and bias per group (unquantized norms and the bf16 MTP head
-        add ~1%: inside the margin)."""
+    @property
+    def release(self) -> Release:
+        return RELEASES[self.repo.split("/")[1]]
+
+    def _gb_at_bits(self, params_b: float) -> float:
+        """Stored GB of ``params_b`` billion parameters at the recipe's bits (scale and bias per group)."""
         bits = (self.bits or 16) + (32 / (self.group_size or 64) if self.bits else 0)
-        return self.params_b * bits / 8 + 2 * RAW_SHARD_GB + 2
+        return params_b * bits / 8
+
+    def disk_needed_gb(self) -> float:
+        """Peak disk of ``recipe run --stream`` with upload and smoke: each output shard is uploaded
+        and freed once the streamed smoke has run its layers, so the peak is two raw shards (one
+        read, one prefetched), two output shards (one uploading, one being written), the MTP
+        sidecar (kept to the end: linked and committed), the smoke's copy of ``lm_head`` (read after
+        the last layer) and a margin. The output's total size does not enter."""
+        r = self.release
+        raw_shard = self.params_b * 2 / r.raw_shards
+        return 2 * raw_shard + 2 * self.max_shard_gb + r.head_gb + self._gb_at_bits(VOCAB * r.hidden / 1e9) + MARGIN_GB
+
+    def memory_needed_gb(self) -> float:
+        """Peak memory of the layerwise smoke (docs/smoke.md): the larger of the largest decoder layer at
+        the recipe's bits and the MTP head as held on the CPU (bf16 experts cast to float32), plus ~0.5 GB
+        of activations and lm_head block and ~1 GB for the converter running beside it."""
+        r = self.release
+        return max(self._gb_at_bits(r.layer_b), r.head_cpu_gb) + 1.5
 
     @property
     def quant(self) -> QuantOptions:
@@ -93,7 +136,8 @@ class Recipe:
 
     @property
     def options(self) -> ConvertOptions:
-        return ConvertOptions(dtype=self.dtype, quant=self.quant, keep_vision=self.keep_vision)
+        return ConvertOptions(dtype=self.dtype, quant=self.quant, keep_vision=self.keep_vision,
+                              max_shard_bytes=int(self.max_shard_gb * (1 << 30)))
 
     def cli_args(self) -> List[str]:
         """The equivalent `mtpconvert pull-and-quantize` arguments."""
@@ -102,7 +146,7 @@ class Recipe:
                             ("--mtp-bits", self.mtp_bits)):
             if value is not None:
                 args += [flag, str(value)]
-        args += ["--mtp", self.mtp, "--q-mode", self.q_mode]
+        args += ["--mtp", self.mtp, "--q-mode", self.q_mode, "--max-shard-size", f"{self.max_shard_gb:g}"]
         if self.keep_vision:
             args.append("--keep-vision")
         return args
@@ -124,6 +168,11 @@ def load_recipe(path: Path) -> Recipe:
     for key, want in types.items():
         if key in data and (not isinstance(data[key], want) or (want is int and isinstance(data[key], bool))):
             raise OptionsError(f"{key} must be a {want.__name__}", file=path, key=key)
+    if "max_shard_gb" in data and (isinstance(data["max_shard_gb"], bool) or not isinstance(data["max_shard_gb"], (int, float))
+                                   or data["max_shard_gb"] <= 0):
+        raise OptionsError("max_shard_gb must be a positive number", file=path, key="max_shard_gb")
+    if data.get("repo", "").split("/")[-1] not in RELEASES:
+        raise OptionsError(f"no runner sizing for {data['repo']}: add it to recipes.RELEASES", file=path, key="repo")
     if data.get("mtp", "keep") not in ("keep", "match", "drop"):
         raise OptionsError("mtp must be keep, match or drop", file=path, key="mtp")
     if "upload_repo" in data and data["upload_repo"].count("/") != 1:

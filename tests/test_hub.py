@@ -459,12 +459,14 @@ def test_streamed_publish_failure_leaves_no_commit_and_a_retry_completes(hub, tm
     assert len(hub.repos["me/pub"].commits) == 2 and hub.repos["me/pub"].files == files
 
 
-def test_streamed_publish_with_the_smoke_keeps_the_shards_until_it_passed(hub, tmp_path):
-    """With the smoke on, shards are pre-uploaded as they finish but kept (the smoke reads them); the
-    card carries the measured acceptance."""
+def test_streamed_publish_with_the_full_smoke_keeps_the_shards_until_it_passed(hub, tmp_path):
+    """With --smoke-mode full (it loads the whole folder), shards are pre-uploaded as they finish but kept;
+    the card carries the measured acceptance. (The default, layerwise, is fed shard by shard and frees
+    them: tests/test_streamed_smoke.py.)"""
     out = tmp_path / "out"
     result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--stream", "--upload-repo",
-                                 "me/smoked", "--bits", "8", "--group-size", "32", "--max-shard-size", "0.0001"])
+                                 "me/smoked", "--bits", "8", "--group-size", "32", "--max-shard-size", "0.0001",
+                                 "--smoke-mode", "full"])
     assert result.exit_code == 0, result.output
     repo = hub.repos["me/smoked"]
     shards = sorted(n for n in repo.files if n.startswith("model-"))

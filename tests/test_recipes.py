@@ -97,14 +97,30 @@ def test_find_recipe_by_bundled_name_or_path(tmp_path, monkeypatch):
         find_recipe("Qwen9-1B")
 
 
-def test_every_recipe_runs_on_a_runner_with_the_disk_it_needs():
-    """--stream keeps two raw shards; the output is whole on disk until it is uploaded."""
+def test_every_recipe_runs_on_the_smallest_runner_with_the_disk_and_memory_it_needs():
+    """--stream --upload-repo with the streamed smoke: two raw + two output shards, the head, lm_head's copy;
+    memory: the largest layer or the head as the layerwise smoke holds it."""
+    order = list(RUNNERS)
     for r in list_recipes(ROOT / "recipes"):
         assert r.runner in RUNNERS and r.runner in r.path.read_text(), r.path.name
-        assert RUNNERS[r.runner].disk_gb >= r.disk_needed_gb(), (r.path.name, r.runner, r.disk_needed_gb())
+        need = (r.disk_needed_gb(), r.memory_needed_gb())
+        fits = [n for n in order if RUNNERS[n].disk_gb >= need[0] and RUNNERS[n].memory_gb >= need[1]]
+        assert r.runner == fits[0], (r.path.name, r.runner, need)
     sizes = {r.path.name: r.runner for r in list_recipes(ROOT / "recipes")}
-    assert sizes["Qwen3.5-27B-4bit-bf16.toml"] == "large"  # 15 GB of output: more than the standard 14 GB free
-    assert sizes["Qwen3.5-397B-A17B-8bit-bf16.toml"] == "2xlarge"
+    assert sizes["Qwen3.6-27B-8bit-bf16.toml"] == "standard"  # 3.6 GB raw shards
+    assert sizes["Qwen3.5-27B-4bit-bf16.toml"] == "large"  # two 5 GB raw shards in flight: 14.4 GB > 14
+    assert sizes["Qwen3.5-397B-A17B-4bit-bf16.toml"] == "xlarge"  # the head in float32 on the CPU: 26 GB
+
+
+def test_recipe_output_shard_size_reaches_the_command(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('repo = "Qwen/Qwen3.6-27B"\nbits = 4\nmax_shard_gb = 0.5\n')
+    r = load_recipe(f)
+    assert r.options.max_shard_bytes == 1 << 29 and r.cli_args()[-2:] == ["--max-shard-size", "0.5"]
+    f.write_text('repo = "Qwen/Qwen3.6-27B"\nmax_shard_gb = 0\n')
+    with pytest.raises(OptionsError, match="max_shard_gb") as e:
+        load_recipe(f)
+    assert e.value.key == "max_shard_gb"
 
 
 def test_unknown_runner_is_refused(tmp_path):

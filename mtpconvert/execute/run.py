@@ -163,6 +163,11 @@ def execute(
     fingerprint = plan_fingerprint(plan, ckpt)
     with OutputFolder(out, overwrite=overwrite, resume=resume) as folder:
         folder.path(RESUME_DIR).mkdir(exist_ok=True)
+        try:  # first: a sink may read the folder while shards arrive (the streamed smoke: config, tokenizer)
+            folder.write_json("config.json", plan.config)
+            copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
+        except OSError as e:
+            raise describe_os_error(e, out) from e
         reader = TensorReader(stream.ensure, stream.release) if stream else TensorReader()
         streams = compute_streams(workers)
         position = 0
@@ -186,13 +191,16 @@ def execute(
                     path = folder.path(shard_name)
                     # asked first: a delivered shard may be a header stub, which must not be re-hashed
                     delivered = sink.delivered(shard_name, fingerprint) if sink and resume else None
-                    if delivered is None and resume and reusable(folder, shard_name, fingerprint):
+                    kept = delivered is None and resume and reusable(folder, shard_name, fingerprint)
+                    if kept:
                         delivered = path.stat().st_size
                     if delivered is not None:
                         reused += 1
                         written += delivered
                         for item in items:
                             item_done(item)
+                        if kept and sink is not None and shard_name != MTP_FILE:
+                            sink.finished(shard_name, path, fingerprint)  # its bytes are here: the sink reads them too
                         continue
                     writer = StreamingShardWriter(path, specs, {"format": "mlx"})
                     try:
@@ -213,10 +221,8 @@ def execute(
                 reader.close()
         try:
             folder.write_json("model.safetensors.index.json", index_json(plan, extra_metadata), indent=2)
-            folder.write_json("config.json", plan.config)
             if MTP_FILE in shards:
                 link_head(folder)
-            copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
         except OSError as e:
             raise describe_os_error(e, out) from e
         if check is not None:

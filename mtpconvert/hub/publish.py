@@ -18,11 +18,12 @@ action; Xet skips the chunks it has). With ``--resume``, a ledger record beside 
 resume record (sha256, size, first 512 bytes) lets the next run skip rebuilding a shard whose
 stub is there and whose object the Hub still reports holding.
 
-The smoke needs the weights: no Hub API serves an object before it is committed, and the
-layerwise smoke reads ``lm_head`` (the first model shard) last and layers in key order
-(0, 1, 10, 11, 2, ...), so it cannot run shard by shard either. When the smoke runs, shards
-are therefore pre-uploaded as they finish but kept until it passed (disk: the whole output);
-with ``--no-smoke`` they are stubbed as they go (disk: two output shards + the sidecar).
+The smoke needs the weights, and no Hub API serves an object before it is committed. With a
+``consumer`` (``runtime.streamed.StreamedLayerwise``: the layerwise smoke fed shard by shard) each
+finished shard is fed to it first, and a shard is stubbed once it is both uploaded and released
+by the consumer (it has run every layer the shard holds): disk stays two output shards, the
+sidecar and the consumer's copies of the tensors it reads last. With ``keep_files`` (the full
+smoke, which loads the whole folder) shards are kept until the end.
 """
 
 from __future__ import annotations
@@ -86,12 +87,19 @@ class ShardPublisher:
 
     ``execute`` calls ``delivered``/``finished`` (its ``ShardSink``); the caller calls ``drain``
     before the checks, ``commit`` after them, ``abandon`` on failure. ``keep_files``: keep each
-    shard's data after its upload (the smoke reads it) instead of stubbing it.
+    shard's data after its upload (the full smoke reads the folder) instead of stubbing it.
+    ``consumer``: fed each finished shard before its upload starts (``feed(shard, path)`` returns
+    the shards it no longer needs); a shard is stubbed when uploaded and no longer needed.
     """
 
     def __init__(self, repo_id: str, partial: Path, *, token: Optional[str] = None, private: bool = False,
-                 keep_files: bool = False):
+                 keep_files: bool = False, consumer=None):
         self.repo_id, self.token, self.private, self.keep_files = repo_id, token, private, keep_files
+        self.consumer = consumer
+        self._lock = threading.Lock()
+        self._paths: Dict[str, Path] = {}
+        self._uploaded: set = set()  # shards the Hub holds (this run)
+        self._free: set = set()  # shards whose local data nothing reads any more
         self.ledger = Path(partial) / RESUME_DIR
         self.api = hub_api(token)
         self.ops: Dict[str, object] = {}  # shard -> its commit entry, once the Hub holds it
@@ -111,6 +119,8 @@ class ShardPublisher:
 
     # -- execute's ShardSink
     def delivered(self, shard: str, fingerprint: str) -> Optional[int]:
+        if self.consumer is not None:
+            return None  # its stub cannot be fed: rebuilt (the Hub answers that it holds it: nothing sent)
         record = self._ledger_record(shard)
         stub = self.ledger.parent / shard
         if (record is None or record.get("fingerprint") != fingerprint or record.get("repo") != self.repo_id
@@ -123,7 +133,13 @@ class ShardPublisher:
         return record["size"]
 
     def finished(self, shard: str, path: Path, fingerprint: str) -> None:
+        self._paths[shard] = Path(path)
+        # the consumer first, while this shard and the one before hold data (a layer may span both)
+        free = self.consumer.feed(shard, path) if self.consumer is not None else [] if self.keep_files else [shard]
         self._wait()  # the previous shard's upload: at most one shard uploads while the next is written
+        with self._lock:
+            self._free.update(free)
+        self._stub_ready()
         self._thread = threading.Thread(target=self._upload, args=(shard, Path(path), fingerprint),
                                         name=f"upload {shard}", daemon=True)
         self.sent += 1
@@ -169,11 +185,18 @@ class ShardPublisher:
                                        "sha256": info.sha256.hex(),
                                        "sample": base64.b64encode(info.sample).decode()})
             self.ops[shard] = uploaded_op(shard, info.size, info.sample, info.sha256)
-            if not self.keep_files:
-                stub_in_place(path)
-                self.stubbed.append(shard)
+            with self._lock:
+                self._uploaded.add(shard)
+            self._stub_ready()
         except BaseException as e:  # noqa: BLE001 - raised in the converting thread by the next _wait
             self._error = e
+
+    def _stub_ready(self) -> None:
+        """Stub every shard the Hub holds and nothing reads any more (either thread may get here last)."""
+        with self._lock:
+            for shard in sorted((self._uploaded & self._free) - set(self.stubbed)):
+                stub_in_place(self._paths[shard])
+                self.stubbed.append(shard)
 
     def _preupload(self, path_in_repo: str, local: str):
         from huggingface_hub import CommitOperationAdd

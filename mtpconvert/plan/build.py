@@ -479,14 +479,20 @@ def _steps(slot: Slot, gather: Gather, raw: bool, dtype: str, q: Optional[QuantS
     return tuple(steps)
 
 
+def natural_key(name: str) -> Tuple:
+    """``name`` with its digit runs as numbers: ``layers.2`` sorts before ``layers.10``."""
+    return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name)))
+
+
 def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) -> None:
     """Order work by source shard (so each raw shard is finished early) and assign output shards."""
     shard_index = {name: i for i, name in enumerate(ckpt.shards)}
 
     def key(item: PlanItem):
-        last = max(shard_index[s.file] for s in item.sources)
-        first = min(ckpt.tensors[s.key].start for s in item.sources if shard_index[s.file] == last)
-        return (last, first, item.name)
+        # within a source shard, by name with numbers compared as numbers (layers 2 before 10): the
+        # output shards then hold layers in order, so the streamed smoke (runtime.streamed) can run
+        # each layer as its shard is finished instead of holding shards for a layer to come
+        return (max(shard_index[s.file] for s in item.sources), natural_key(item.name))
 
     items.sort(key=key)
     groups: List[List[PlanItem]] = [[]]

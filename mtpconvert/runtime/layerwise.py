@@ -47,6 +47,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -114,25 +115,35 @@ def folder_weight_bytes(path: Path) -> int:
     return sum(os.path.getsize(f) for f in weight_files(path))
 
 
-def stored_bytes_by_unit(path: Path) -> Dict[str, int]:
-    """Stored bytes of each unit the layerwise check holds at once: ``layer N``, ``mtp`` (the whole
-    head; the check holds its first layer), ``embed_tokens``, ``lm_head``, ``other``. Headers only.
-    The check's peak is about the largest layer or head plus ~0.3 GB of activations and runtime."""
-    import re
+_LAYER_KEY = re.compile(r"language_model\.model\.layers\.(\d+)\.")
 
-    path = Path(path)
+
+def unit_of(key: str) -> str:
+    """What the check holds a converted tensor for: ``layer N``, ``mtp`` (the head),
+    ``embed_tokens``, ``lm_head``, ``norm`` (the final one) or ``other``."""
+    m = _LAYER_KEY.match(key)
+    if m:
+        return f"layer {m.group(1)}"
+    if key.startswith(HEAD_PREFIXES):
+        return "mtp"
+    if ".embed_tokens." in key:
+        return "embed_tokens"
+    if ".lm_head." in key:
+        return "lm_head"
+    if key == "language_model.model.norm.weight":
+        return "norm"
+    return "other"
+
+
+def stored_bytes_by_unit(path: Path) -> Dict[str, int]:
+    """Stored bytes of each unit the layerwise check holds at once (``unit_of``; the final norm
+    counts as ``other``; ``mtp`` is the whole head, of which the check holds the first layer). Headers
+    only. The check's peak is about the largest layer or head plus ~0.3 GB of activations and runtime."""
     units: Dict[str, int] = {}
-    for f in weight_files(path):
+    for f in weight_files(Path(path)):
         for k, t in read_header(Path(f)).tensors.items():
-            m = re.match(r"language_model\.model\.layers\.(\d+)\.", k)
-            if m:
-                unit = f"layer {m.group(1)}"
-            elif k.startswith(HEAD_PREFIXES):
-                unit = "mtp"
-            elif ".embed_tokens." in k or ".lm_head." in k:
-                unit = "embed_tokens" if ".embed_tokens." in k else "lm_head"
-            else:
-                unit = "other"
+            unit = unit_of(k)
+            unit = "other" if unit == "norm" else unit
             units[unit] = units.get(unit, 0) + t.nbytes
     return units
 
@@ -407,34 +418,48 @@ class _Holder(nn.Module):
 class _Folder:
     """A converted folder opened for streaming: config, mlx-lm classes, headers, lazy tensors."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, files: Optional[Sequence[Path]] = None):
+        """``files``: the weight files to open now (None: every ``model*.safetensors``); ``add`` opens more."""
         from mlx_lm.utils import _get_classes, load_config
 
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise LayoutError("not a converted model folder: no config.json", file=self.path)
         self.config = load_config(self.path)
-        files = shard_files(self.path)
-        if not files:
-            raise LayoutError("no model*.safetensors in the folder", file=self.path)
-        self.headers = [read_header(Path(f)) for f in files]
-        self.infos: Dict[str, TensorInfo] = {}
-        for h in self.headers:
-            self.infos.update(h.tensors)
+        if files is None:
+            files = shard_files(self.path)
+            if not files:
+                raise LayoutError("no model*.safetensors in the folder", file=self.path)
         model_class, args_class = _get_classes(self.config)
         # A shell of the whole model: its parameters are lazy random arrays that are never
         # evaluated (no memory); it gives mlx-lm's sanitize, argument parsing and layer classes.
         self.shell = model_class(args_class.from_dict(self.config))
         self.args = self.shell.language_model.args
         self.quant = self.config.get("quantization")
-        # Every tensor, lazily (nothing read) and sanitized exactly as load_model does. Entries
-        # are popped as they are consumed, so an evaluated tensor dies with its module.
-        lazy: Dict[str, mx.array] = {}
-        for f in files:
-            lazy.update(mx.load(f))
-        self.weights = self.shell.sanitize(lazy)
+        self.headers = []
+        self.infos: Dict[str, TensorInfo] = {}
+        self.weights: Dict[str, mx.array] = {}
         self.reader = TensorReader()
         self.read_bytes = 0
+        self.add(files)
+
+    def add(self, files: Sequence[Path]) -> None:
+        """Open more weight files: their headers, and every tensor *lazily* (nothing read), sanitized
+        exactly as load_model does (one ``sanitize`` call over all of ``files``). A key already open is
+        replaced (a copy of a tensor supersedes the shard it came from). Entries of ``weights`` are
+        popped as they are consumed, so an evaluated tensor dies with its module."""
+        lazy: Dict[str, mx.array] = {}
+        for f in files:
+            header = read_header(Path(f))
+            self.headers.append(header)
+            self.infos.update(header.tensors)
+            lazy.update(mx.load(str(f)))
+        self.weights.update(self.shell.sanitize(lazy))
+
+    def forget(self, file: Path) -> None:
+        """Drop the lazy tensors still open from ``file`` (about to be deleted): none may be read after."""
+        for k in [k for k, t in self.infos.items() if t.file == Path(file)]:
+            self.weights.pop(k, None)
 
     # -- rows of the big shared tensors, straight from the file
 
@@ -607,6 +632,143 @@ def encode(path: Path, prompts: Optional[Sequence[str]] = None,
     return [ids[:max_prompt_tokens] for ids in encode_prompts(Path(path), list(prompts or DEFAULT_PROMPTS))]
 
 
+def require_head(path: Path, config: dict, head_tensors: Optional[HeadTensors]) -> HeadTensors:
+    """The head the check scores, or a LayoutError saying why there is none."""
+    tc = config.get("text_config", config)
+    if head_tensors is None or not int(tc.get("mtp_num_hidden_layers", 0) or 0):
+        raise LayoutError(
+            "no MTP head: " + ("no mtp.safetensors and no language_model.mtp.* tensors" if head_tensors is None
+                               else "config says mtp_num_hidden_layers=0"),
+            file=path,
+            hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
+        )
+    return head_tensors
+
+
+def prompt_token_ids(path: Path, prompts: Optional[Sequence[str]], token_ids: Optional[Sequence[Sequence[int]]],
+                     max_prompt_tokens: int) -> List[List[int]]:
+    """``token_ids`` as lists of ints, else ``prompts`` through the folder's tokenizer; prompts
+    shorter than two tokens are dropped (nothing to compare)."""
+    if token_ids is None:
+        token_ids = encode(path, prompts, max_prompt_tokens)
+    token_ids = [list(map(int, ids)) for ids in token_ids if len(ids) >= 2]
+    if not token_ids:
+        raise ValueError("no prompt has two tokens or more")
+    return token_ids
+
+
+class TeacherForcedPass:
+    """The check's computation in the order its inputs are needed, so that a caller may hand the
+    folder over piece by piece (``runtime.streamed``): ``embed`` once the embedding is open,
+    ``run_layer`` for layer 0, 1, ... as each one's tensors are open, ``finish`` with the final
+    norm, the head and ``lm_head``. Between calls only the activations are resident."""
+
+    def __init__(self, folder: _Folder, token_ids: List[List[int]], *, hidden: str = "post-norm",
+                 min_acceptance: float = DEFAULT_MIN_ACCEPTANCE, exact: Optional[bool] = None,
+                 compute_dtype: Optional[str] = None, progress: Optional[Callable[[str], None]] = None):
+        if hidden not in ("post-norm", "pre-norm"):
+            raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
+        self.folder, self.token_ids, self.hidden = folder, token_ids, hidden
+        self.exact = _default_exact() if exact is None else exact
+        self.compute_dtype = compute_dtype
+        self.progress = progress or (lambda msg: None)
+        self.result = LayerwiseResult(str(folder.path), hidden, "", self.exact, min_acceptance,
+                                      prompt_tokens=[len(t) for t in token_ids])
+        self.next_layer = 0  # the layer run_layer runs next
+        self.xs: Optional[List[mx.array]] = None  # hidden states after layer next_layer - 1
+        self.nexts: Optional[List[mx.array]] = None  # embed(token t+1), the head's second input
+        self.dtype = None
+        mx.reset_peak_memory()
+
+    @property
+    def layers(self) -> int:
+        return self.folder.args.num_hidden_layers
+
+    @property
+    def embedded(self) -> bool:
+        return self.xs is not None
+
+    def embed(self) -> None:
+        t0 = time.perf_counter()
+        self.progress("embedding rows")
+        emb = _Embedding(self.folder, self.token_ids)
+        xs = [emb(ids) for ids in self.token_ids]
+        nexts = [emb(ids[1:]) for ids in self.token_ids]
+        dtype = xs[0].dtype
+        if not self.exact:
+            if self.compute_dtype is not None:
+                dtype = getattr(mx, self.compute_dtype)
+            elif mx.default_device() == mx.cpu:
+                dtype = fast_float_dtype(dtype)
+            xs, nexts = [x.astype(dtype) for x in xs], [x.astype(dtype) for x in nexts]
+        self.result.compute_dtype = str(dtype).replace("mlx.core.", "")
+        mx.eval(xs, nexts)
+        self.result.stages.append(("embed_tokens rows", emb.nbytes))
+        self.xs, self.nexts, self.dtype = xs, nexts, dtype
+        self.result.seconds += time.perf_counter() - t0
+
+    def run_layer(self) -> None:
+        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+        t0 = time.perf_counter()
+        i = self.next_layer
+        self.progress(f"layer {i + 1}/{self.layers}")
+        layer = _load_layer(self.folder, i)
+        _finish_layer(layer, self.exact, self.dtype)
+        self.result.stages.append((f"layer {i}", _param_bytes(layer)))
+        for p, x in enumerate(self.xs):
+            # as Qwen3_5TextModel.__call__ with cache=None
+            mask = create_ssm_mask(x, None) if layer.is_linear else create_attention_mask(x, None)
+            self.xs[p] = layer(x, mask=mask, cache=None)
+            mx.eval(self.xs[p])
+        del layer
+        gc.collect()
+        mx.clear_cache()
+        self.next_layer += 1
+        self.result.seconds += time.perf_counter() - t0
+
+    def finish(self, head_tensors: HeadTensors, vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES) -> LayerwiseResult:
+        """The final norm, the head over every position, then lm_head's running argmax; the result."""
+        t0 = time.perf_counter()
+        folder, result = self.folder, self.result
+        if self.next_layer != self.layers:
+            raise LayoutError(f"layer {self.next_layer} of {self.layers} was never run: its tensors are missing",
+                              file=folder.path)
+        result.head_source = head_tensors.source
+        norm = folder.shell.language_model.model.norm
+        norm.load_weights([("weight", folder.weights.pop("language_model.model.norm.weight"))], strict=True)
+        hs = [norm(x) for x in self.xs]
+        mx.eval(hs)
+
+        self.progress("MTP head")
+        head = _load_head(folder, head_tensors)
+        _finish_layer(head, self.exact, self.dtype)
+        result.stages.append(("mtp head (fc, norms, layer 0)", _param_bytes(head)))
+        feed = hs if self.hidden == "post-norm" else self.xs
+        states = []
+        for p in range(len(self.token_ids)):
+            s = head(feed[p][:, :-1], self.nexts[p], cache=head.make_cache())
+            mx.eval(s)
+            states.append(s)
+        del head, feed
+        self.xs = self.nexts = None
+        gc.collect()
+        mx.clear_cache()
+
+        ids, block = _run_lm_head_blocks(folder, [[h, s] for h, s in zip(hs, states)], self.exact, self.dtype,
+                                         vocab_block_bytes, self.progress)
+        result.stages.append(("lm_head block", block))
+        for bb, hd in ids:
+            result.backbone_next.append(bb[1:])
+            result.head_next.append(hd)
+            result.per_prompt.append(agreement(bb[1:], hd))
+        result.read_bytes = folder.read_bytes
+        result.seconds += time.perf_counter() - t0
+        result.peak_mlx_bytes = mx.get_peak_memory()
+        result.peak_rss_bytes = peak_rss_bytes()
+        return result
+
+
 def layerwise_acceptance(
     path: Path,
     prompts: Optional[Sequence[str]] = None,
@@ -631,92 +793,18 @@ def layerwise_acceptance(
     if hidden not in ("post-norm", "pre-norm"):
         raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
     t0 = time.perf_counter()
-    mx.reset_peak_memory()
-    progress = progress or (lambda msg: None)
-    exact = _default_exact() if exact is None else exact
     path = Path(path)
     folder = _Folder(path)
     try:
-        head_tensors = locate_mtp(path, folder.headers)
-        tc = folder.config.get("text_config", folder.config)
-        if head_tensors is None or not int(tc.get("mtp_num_hidden_layers", 0) or 0):
-            raise LayoutError(
-                "no MTP head: " + ("no mtp.safetensors and no language_model.mtp.* tensors" if head_tensors is None
-                                   else "config says mtp_num_hidden_layers=0"),
-                file=path,
-                hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
-            )
-        if token_ids is None:
-            token_ids = encode(path, prompts, max_prompt_tokens)
-        token_ids = [list(map(int, ids)) for ids in token_ids if len(ids) >= 2]
-        if not token_ids:
-            raise ValueError("no prompt has two tokens or more")
-        result = LayerwiseResult(str(path), hidden, head_tensors.source, exact, min_acceptance,
-                                 prompt_tokens=[len(t) for t in token_ids])
-
-        progress("embedding rows")
-        emb = _Embedding(folder, token_ids)
-        xs = [emb(ids) for ids in token_ids]
-        nexts = [emb(ids[1:]) for ids in token_ids]
-        dtype = xs[0].dtype
-        if not exact:
-            if compute_dtype is not None:
-                dtype = getattr(mx, compute_dtype)
-            elif mx.default_device() == mx.cpu:
-                dtype = fast_float_dtype(dtype)
-            xs, nexts = [x.astype(dtype) for x in xs], [x.astype(dtype) for x in nexts]
-        result.compute_dtype = str(dtype).replace("mlx.core.", "")
-        mx.eval(xs, nexts)
-        result.stages.append(("embed_tokens rows", emb.nbytes))
-        del emb
-
-        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
-        n_layers = folder.args.num_hidden_layers
-        for i in range(n_layers):
-            progress(f"layer {i + 1}/{n_layers}")
-            layer = _load_layer(folder, i)
-            _finish_layer(layer, exact, dtype)
-            result.stages.append((f"layer {i}", _param_bytes(layer)))
-            for p, x in enumerate(xs):
-                # as Qwen3_5TextModel.__call__ with cache=None
-                mask = create_ssm_mask(x, None) if layer.is_linear else create_attention_mask(x, None)
-                xs[p] = layer(x, mask=mask, cache=None)
-                mx.eval(xs[p])
-            del layer
-            gc.collect()
-            mx.clear_cache()
-
-        norm = folder.shell.language_model.model.norm
-        norm.load_weights([("weight", folder.weights.pop("language_model.model.norm.weight"))], strict=True)
-        hs = [norm(x) for x in xs]
-        mx.eval(hs)
-
-        progress("MTP head")
-        head = _load_head(folder, head_tensors)
-        _finish_layer(head, exact, dtype)
-        result.stages.append(("mtp head (fc, norms, layer 0)", _param_bytes(head)))
-        feed = hs if hidden == "post-norm" else xs
-        states = []
-        for p in range(len(token_ids)):
-            s = head(feed[p][:, :-1], nexts[p], cache=head.make_cache())
-            mx.eval(s)
-            states.append(s)
-        del head, xs, nexts, feed
-        gc.collect()
-        mx.clear_cache()
-
-        ids, block = _run_lm_head_blocks(folder, [[h, s] for h, s in zip(hs, states)], exact, dtype, vocab_block_bytes,
-                                         progress)
-        result.stages.append(("lm_head block", block))
-        for bb, hd in ids:
-            result.backbone_next.append(bb[1:])
-            result.head_next.append(hd)
-            result.per_prompt.append(agreement(bb[1:], hd))
-        result.read_bytes = folder.read_bytes
+        head_tensors = require_head(path, folder.config, locate_mtp(path, folder.headers))
+        ids = prompt_token_ids(path, prompts, token_ids, max_prompt_tokens)
+        run = TeacherForcedPass(folder, ids, hidden=hidden, min_acceptance=min_acceptance, exact=exact,
+                                compute_dtype=compute_dtype, progress=progress)
+        run.embed()
+        while run.next_layer < run.layers:
+            run.run_layer()
+        result = run.finish(head_tensors, vocab_block_bytes)
         result.seconds = time.perf_counter() - t0
-        result.peak_mlx_bytes = mx.get_peak_memory()
-        result.peak_rss_bytes = peak_rss_bytes()
         return result
     finally:
         folder.close()
