@@ -125,20 +125,36 @@ class BatchedMTP:
     # ------------------------------------------------------------------ membership
 
     def add(self, s: Stream, sid: int) -> None:
-        """Prefill ``s`` alone, sample its first token, and append its caches to the batch."""
+        self.add_many([s], [sid])
+
+    def add_many(self, streams: Sequence[Stream], sids: Sequence[int]) -> None:
+        """Prefill new streams, sample their first tokens, and append their rows to the batch.
+
+        Streams whose prompts have the same length are prefilled together in one (G, P) pass: every
+        row at the same length, so it is the stock batched forward with no padding."""
+        by_length: dict = {}
+        for s, sid in zip(streams, sids):
+            by_length.setdefault(len(s.prompt), []).append((s, sid))
+        for group in by_length.values():
+            self._prefill([s for s, _ in group], [sid for _, sid in group])
+
+    def _prefill(self, streams: List[Stream], sids: List[int]) -> None:
         m = self.m
         t0 = time.perf_counter()
-        cache = make_row_cache(m.model, max_pass=self.depth + 1)
-        prompt = mx.array([s.prompt])
-        states = backbone_forward(m, prompt, cache)
-        logits = processed(s, m.logits(states[1][:, -1]), prompt[0])
-        tok = choose(s.sampling, logits, draw_key(s.seed, 0, "verify"))
-        mx.eval(tok)
-        s.out = [int(tok.item())]
-        s.stats = DecodeStats(depth=self.depth, prompt_tokens=len(s.prompt), proposed=[0] * self.depth,
-                              accepted=[0] * self.depth, prefill_s=time.perf_counter() - t0)
-        s.pend_h, s.pend_t = states[self.pick][0], s.prompt[1:] + s.out
-        s.first_token_s = time.perf_counter()
+        cache = make_row_cache(m.model, max_pass=self.depth + 1, rows=len(streams))
+        prompts = mx.array([s.prompt for s in streams])
+        states = backbone_forward(m, prompts, cache)
+        last = m.logits(states[1][:, -1])  # [G, V]
+        first = mx.concatenate([choose(s.sampling, processed(s, last[r:r + 1], prompts[r]), draw_key(s.seed, 0, "verify"))
+                                for r, s in enumerate(streams)])
+        mx.eval(first)
+        now = time.perf_counter()
+        for r, (s, tok) in enumerate(zip(streams, first.tolist())):
+            s.out = [tok]
+            s.stats = DecodeStats(depth=self.depth, prompt_tokens=len(s.prompt), proposed=[0] * self.depth,
+                                  accepted=[0] * self.depth, prefill_s=now - t0)
+            s.pend_h, s.pend_t = states[self.pick][r], s.prompt[1:] + s.out
+            s.first_token_s = now
         if self.cache is None:
             self.cache = cache
             self.head_cache = [RowKVCache([]) for _ in m.head.layers]
@@ -146,9 +162,10 @@ class BatchedMTP:
             for mine, new in zip(self.cache, cache):
                 mine.extend(new)
         for c in self.head_cache:  # empty until the row's first draft reads its pending pairs (the prompt)
-            c.add_empty_row()
-        self.streams.append(s)
-        self.ids.append(sid)
+            for _ in streams:
+                c.add_empty_row()
+        self.streams.extend(streams)
+        self.ids.extend(sids)
 
     def drop_finished(self) -> List[int]:
         """Remove the streams that are done; return their ids."""
@@ -294,9 +311,11 @@ def run_batch(
     waiting = sorted(range(len(streams)), key=lambda i: join_at[i])
     step = 0
     while waiting or engine.streams:
+        joining = []
         while waiting and join_at[waiting[0]] <= step:
-            i = waiting.pop(0)
-            engine.add(streams[i], i)
+            joining.append(waiting.pop(0))
+        if joining:
+            engine.add_many([streams[i] for i in joining], joining)
             engine.drop_finished()  # max_tokens 1, or EOS as the first token
         if engine.streams:
             draft = mode == "mtp" or (mode == "auto" and policy.choose(engine))
@@ -306,3 +325,34 @@ def run_batch(
             engine.drop_finished()
         step += 1
     return engine
+
+
+@dataclass
+class Divergence:
+    """Where two greedy decodes of one prompt part: position, both tokens, and the reference's
+    top-2 logit margin there (a near-tie when it is within kernel rounding)."""
+
+    position: int
+    tokens: tuple
+    margin: float
+
+    def to_json(self) -> dict:
+        return {"position": self.position, "tokens": list(self.tokens), "margin": round(self.margin, 5)}
+
+
+def divergence(m: MTPModel, prompt: Sequence[int], got: Sequence[int], reference: Sequence[int],
+               processors: Sequence[LogitsProcessor] = ()) -> Optional[Divergence]:
+    """None when ``got`` equals ``reference``; else the first position where they differ and the
+    top-2 margin of the reference model's (processed) logits there, from one stock forward."""
+    n = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), None)
+    if n is None:
+        if len(got) == len(reference):
+            return None
+        n = min(len(got), len(reference))
+        return Divergence(n, (None, None), float("inf"))
+    context = list(prompt) + list(reference[:n])
+    logits = m.model(mx.array([context]))[:, -1]
+    for proc in processors:
+        logits = proc(mx.array(context), logits)
+    top2 = mx.sort(logits[0].astype(mx.float32))[-2:].tolist()
+    return Divergence(n, (got[n], reference[n]), top2[1] - top2[0])

@@ -169,9 +169,9 @@ class RowRollbackCache(RollbackArraysCache):
         self.last_pass, self.pass_length = None, 0
 
 
-def make_row_cache(model, max_pass: int) -> list:
-    """Caches for one new row (to be prefilled alone, then merged into the batch with ``extend``)."""
-    return [RowRollbackCache(max_pass) if layer.is_linear else RowKVCache([0])
+def make_row_cache(model, max_pass: int, rows: int = 1) -> list:
+    """Empty caches for new rows (prefilled together, then appended to the batch with ``extend``)."""
+    return [RowRollbackCache(max_pass) if layer.is_linear else RowKVCache([0] * rows)
             for layer in model.language_model.model.layers]
 
 
