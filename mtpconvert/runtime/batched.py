@@ -102,6 +102,7 @@ class StepLog:
     accepted: List[int]
     drafted: bool
     seconds: float
+    after_join: bool = False  # rows joined just before: the head read whole prompts this step
 
 
 class BatchedMTP:
@@ -121,6 +122,7 @@ class BatchedMTP:
         self.cache: Optional[list] = None
         self.head_cache: Optional[List[RowKVCache]] = None
         self.log: List[StepLog] = []
+        self.joined = False  # rows joined since the last step
 
     # ------------------------------------------------------------------ membership
 
@@ -166,6 +168,7 @@ class BatchedMTP:
                 c.add_empty_row()
         self.streams.extend(streams)
         self.ids.extend(sids)
+        self.joined = True
 
     def drop_finished(self) -> List[int]:
         """Remove the streams that are done; return their ids."""
@@ -223,7 +226,8 @@ class BatchedMTP:
                 s.pend_h, s.pend_t = mx.concatenate([s.pend_h, h]), s.pend_t + new
             emit(s, new, a if drafting[r] else -1, k)
         record = StepLog(list(self.ids), [a if d else -1 for a, d in zip(accepted, drafting)], any_draft,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, after_join=self.joined)
+        self.joined = self.joined and not any_draft  # until the head has read the new prompts
         self.log.append(record)
         return record
 
