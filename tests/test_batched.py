@@ -212,3 +212,35 @@ def test_draws_depend_only_on_row_and_position(dense):
     mixed = others + [Stream(list(prompts[0]), TOKENS, sampling=s, seed=7)]
     run_batch(m, mixed, 2, "mtp", join_at=[0, 0, 0, 3])
     assert mixed[-1].out == alone[0].out
+
+
+# ---------------------------------------------------------------- bench --concurrency
+
+
+def test_bench_concurrency_json_and_bad_input(tmp_path):
+    """`bench --concurrency` carries per-level rows for every decoder in --json; bad levels exit 2
+    with a message and no traceback."""
+    from typer.testing import CliRunner
+
+    from mtpconvert.cli import app
+    from mtpconvert.fixture import fixture_path
+
+    out = tmp_path / "tiny"
+    convert_folder(fixture_path("dense"), out, dtype="bfloat16")
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", str(out), "--concurrency", "1,2", "--max-tokens", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    report = json.loads(result.stdout)
+    assert report["baseline"] == "mlx_lm.generate.BatchGenerator"
+    assert [r["concurrency"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert set(row["decoders"]) == {"batchgen", "plain", "mtp", "auto"}
+        assert row["decoders"]["mtp"]["generated"] == 5 * row["concurrency"]
+        assert len(row["decoders"]["mtp"]["acceptance_by_stream"]) == row["concurrency"]
+        assert row["greedy_identical_to_plain_engine"] == {"batchgen": True, "mtp": True, "auto": True}
+    assert set(report["crossover"]) == {"1"}
+    for bad in ("0", "1,x", ","):
+        result = runner.invoke(app, ["bench", str(out), "--concurrency", bad])
+        assert result.exit_code == 2 and "--concurrency" in result.output and "Traceback" not in result.output
