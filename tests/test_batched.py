@@ -82,6 +82,27 @@ def test_greedy_rows_match_plain_batched_and_solo(dense, solo, B, depth):
             assert d.margin < NEAR_TIE, d.to_json()
 
 
+def test_moe_rows_match_plain_batched_and_solo(tmp_path):
+    """The MoE text fixture (float32 experts: mlx's CPU gather_mm), B = 4, k = 2."""
+    out = tmp_path / "moe"
+    convert_folder(text_fixture_path("moe"), out, dtype="float32")
+    m = load(out)
+    _, prompts, _ = heldout_prompts(text_fixture_path("moe"), per_file=1, prompt_tokens=24, files=4)
+    join_at = [0, 0, 1, 1]
+    mtp = mixed_streams(prompts, 4)
+    engine = run_batch(m, mtp, 2, "mtp", join_at=join_at, policy=Alternate())
+    assert_not_degenerate(engine)
+    plain = mixed_streams(prompts, 4)
+    run_batch(m, plain, 2, "plain", join_at=join_at)
+    for i, (a, b) in enumerate(zip(mtp, plain)):
+        assert a.out == b.out, (i, divergence(m, a.prompt, a.out, b.out))
+        reference = plain_generate(m, a.prompt, len(a.out))[0]
+        d = divergence(m, a.prompt, a.out, reference)
+        if d is not None:
+            print(f"moe row {i} differs from solo: {d.to_json()}")
+            assert d.margin < NEAR_TIE, d.to_json()
+
+
 def test_plain_rows_read_pending_pairs_in_later_drafts(dense, solo):
     """A row that runs plain for some steps and then drafts: its head catches up on the pending pairs
     (acceptance as high as a row that drafted throughout is not required, exactness is)."""
@@ -244,3 +265,26 @@ def test_bench_concurrency_json_and_bad_input(tmp_path):
     for bad in ("0", "1,x", ","):
         result = runner.invoke(app, ["bench", str(out), "--concurrency", bad])
         assert result.exit_code == 2 and "--concurrency" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.05, False), (0.012, True)])
+def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
+    """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
+    tok/s), a 12 ms one wins (583 vs 400). The losing kind is still probed, at growing intervals."""
+    from mtpconvert.runtime.batch_bench import DraftPolicy
+    from mtpconvert.runtime.batched import StepLog
+
+    class Engine:
+        streams = [Stream([1], 10) for _ in range(4)]
+
+    policy, chosen = DraftPolicy(reprobe=8), []
+    for _ in range(120):
+        d = policy.choose(Engine)
+        chosen.append(d)
+        policy.observe(Engine, StepLog([0, 1, 2, 3], [1, 0, 1, 1] if d else [-1] * 4, d,
+                                       draft_seconds if d else 0.010))
+    minority = [i for i, d in enumerate(chosen[2:], 2) if d != expect_drafting]
+    assert chosen[:2] == [True, False]  # each kind measured once first
+    assert 2 <= len(minority) <= 5, minority  # probes, at doubling intervals
+    gaps = [b - a for a, b in zip(minority, minority[1:])]
+    assert gaps == sorted(gaps), gaps

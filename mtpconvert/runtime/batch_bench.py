@@ -39,15 +39,20 @@ class DraftPolicy:
     tokens a drafting row emits per drafting step (1 + accepted drafts, moving average over all
     rows). With n of B rows drafting it predicts (n * tokens_per_row + B - n) / t_draft against
     B / t_plain and drafts when the first is larger. Each kind is measured once at a new B before
-    predicting, and every ``reprobe``-th step runs the losing kind so its cost and the acceptance
-    stay current.
+    predicting; after that a probe step runs the losing kind so its cost and the acceptance stay
+    current, first after ``reprobe`` decisions, then at doubling intervals (up to ``max_interval``)
+    while the same kind keeps losing: a probe of drafting after a plain stretch is dear, since the
+    head then reads every pending pair of the stretch.
     """
 
-    def __init__(self, reprobe: int = 16, smoothing: float = 0.3):
-        self.reprobe, self.smoothing = reprobe, smoothing
+    def __init__(self, reprobe: int = 16, max_interval: int = 256, smoothing: float = 0.3):
+        self.reprobe, self.max_interval, self.smoothing = reprobe, max_interval, smoothing
         self.seconds: Dict[Tuple[int, bool], float] = {}
         self.tokens_per_row: Optional[float] = None
         self.decisions = 0
+        self.interval = reprobe
+        self.next_probe = reprobe
+        self.last_winner: Optional[bool] = None
 
     def _ema(self, old: Optional[float], new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -71,7 +76,14 @@ class DraftPolicy:
         draft_rate, plain_rate = self.predicted_rates(B, drafting)
         self.decisions += 1
         better = draft_rate > plain_rate
-        return (not better) if self.decisions % self.reprobe == 0 else better
+        if better != self.last_winner:  # the winner changed: probe soon again
+            self.interval, self.next_probe = self.reprobe, self.decisions + self.reprobe
+            self.last_winner = better
+        if self.decisions >= self.next_probe:
+            self.interval = min(2 * self.interval, self.max_interval)
+            self.next_probe = self.decisions + self.interval
+            return not better
+        return better
 
     def observe(self, engine: BatchedMTP, record: StepLog) -> None:
         key = (len(record.streams), record.drafted)
