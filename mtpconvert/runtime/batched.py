@@ -147,8 +147,9 @@ class BatchedMTP:
         prompts = mx.array([s.prompt for s in streams])
         states = backbone_forward(m, prompts, cache)
         last = m.logits(states[1][:, -1])  # [G, V]
-        first = mx.concatenate([choose(s.sampling, processed(s, last[r:r + 1], prompts[r]), draw_key(s.seed, 0, "verify"))
-                                for r, s in enumerate(streams)])
+        first = mx.concatenate([
+            choose(s.sampling, processed(s, last[r:r + 1], prompts[r]), draw_key(s.seed, 0, "verify"))
+            for r, s in enumerate(streams)])
         mx.eval(first)
         now = time.perf_counter()
         for r, (s, tok) in enumerate(zip(streams, first.tolist())):
@@ -310,6 +311,10 @@ def run_batch(
     decides per step). Returns the engine (its ``log``; the streams hold their tokens)."""
     if mode not in ("mtp", "plain", "auto"):
         raise ValueError(f"mode must be mtp, plain or auto, not {mode!r}")
+    if mode == "auto" and policy is None:
+        from .batch_bench import DraftPolicy
+
+        policy = DraftPolicy()
     engine = BatchedMTP(m, depth, hidden)
     join_at = list(join_at) if join_at is not None else [0] * len(streams)
     waiting = sorted(range(len(streams)), key=lambda i: join_at[i])
