@@ -380,18 +380,32 @@ def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
 
 def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
           depths: Sequence[int] = (1,), hiddens: Sequence[str] = ("post-norm", "pre-norm"), sampling=None,
-          seed: int = 0, on_tokens: Optional[Callable[[int], None]] = None):
-    """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs."""
+          seed: int = 0, on_tokens: Optional[Callable[[int], None]] = None,
+          concurrency: Optional[Sequence[int]] = None):
+    """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs.
+
+    With ``concurrency`` (e.g. [1, 2, 4, 8]): batched MTP against mlx-lm's BatchGenerator at each
+    number of concurrent streams, for the first of ``hiddens``
+    (``runtime.batch_bench.ConcurrencyResult``)."""
     from .runtime.bench import bench as run
     from .runtime.sampling import Sampling
 
     if any(d < 1 for d in depths):
         raise OptionsError("--depth must be >= 1")
+    if concurrency is not None and (not concurrency or any(c < 1 for c in concurrency)):
+        raise OptionsError("--concurrency must list stream counts >= 1, e.g. 1,2,4,8")
     try:
         sampling = sampling or Sampling()
     except ValueError as e:
         raise OptionsError(str(e)) from None
     _readable_shards(Path(path))
+    if concurrency is not None:
+        from .runtime.batch_bench import bench_concurrency
+        from .runtime.load import load
+        from .runtime.smoke import encode_prompts
+
+        return bench_concurrency(load(Path(path)), str(path), encode_prompts(Path(path), prompts), concurrency,
+                                 max_tokens, depths, sampling, seed, hiddens[0], on_tokens=on_tokens)
     return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens)
 
 

@@ -15,7 +15,7 @@ from ..errors import OptionsError
 from . import options as o
 from .errors import handled
 from .helpfmt import Command
-from .render import bench_table, divergence_text, report_table, runtimes_table
+from .render import bench_table, concurrency_table, divergence_text, report_table, runtimes_table
 
 console = Console(stderr=True)
 out_console = Console()
@@ -37,6 +37,8 @@ BENCH_EPILOG = """Examples:
   mtpconvert bench out/ --depth 1 --depth 2
 
   mtpconvert bench out/ --temp 0.7 --top-p 0.9 --json
+
+  mtpconvert bench out/ --concurrency 1,2,4,8 --depth 1 --depth 2
 """
 
 
@@ -117,9 +119,11 @@ def bench(
                                          "probability mass.")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep only the k most likely tokens (0 = off).")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled draws.")] = 0,
+    concurrency: o.Concurrency = None,
     as_json: o.Json = False,
 ):
-    """MTP speculative decoding vs plain decoding: acceptance per depth, tokens/step, tok/s, speedup, step costs."""
+    """MTP speculative decoding vs plain decoding: acceptance per depth, tokens/step, tok/s, speedup, step costs.
+    With --concurrency: batched MTP vs mlx-lm's BatchGenerator at each number of concurrent streams."""
     from ..runtime.sampling import Sampling
 
     try:
@@ -128,16 +132,34 @@ def bench(
         raise OptionsError(str(e)) from None
     hiddens = ("post-norm", "pre-norm") if hidden is o.BenchHidden.both else (hidden.value,)
     prompts = _prompts(prompt)
+    levels = _concurrency(concurrency)
     total = 2 * (len(prompts) if prompts else 3) * len(hiddens) * len(depth) * max_tokens
+    if levels is not None:  # four timed decoders per level and depth
+        total = 4 * sum(levels) * len(depth) * max_tokens
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                   TimeElapsedColumn(), console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task("decoding", total=total)
         result = api.bench(path, prompts, max_tokens, depth, hiddens, sampling, seed,
-                           on_tokens=lambda n: bar.advance(task, n))
+                           on_tokens=lambda n: bar.advance(task, n), concurrency=levels)
     if as_json:
         out_console.print_json(json.dumps(result.to_json()))
+    elif levels is not None:
+        concurrency_table(result, out_console)
     else:
         bench_table(result, out_console)
+
+
+def _concurrency(text):
+    """"1,2,4,8" -> [1, 2, 4, 8]; None stays None."""
+    if text is None:
+        return None
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise OptionsError(f"--concurrency must be comma-separated integers, not {text!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise OptionsError(f"--concurrency must list stream counts >= 1, not {text!r}")
+    return levels
 
 
 def register(app: typer.Typer) -> None:

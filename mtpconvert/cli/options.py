@@ -56,6 +56,9 @@ Token = Annotated[Optional[str], typer.Option("--token", help="Hub token (defaul
 Revision = Annotated[Optional[str], typer.Option("--revision", help="Branch, tag or commit (pinned to its sha).",
                                                  show_default=False)]
 Private = Annotated[bool, typer.Option("--private", help="Create the Hub repository as private.")]
+Concurrency = Annotated[Optional[str], typer.Option(
+    "--concurrency", help="Concurrent streams to bench batched MTP at, comma-separated (e.g. 1,2,4,8), against "
+    "mlx-lm's BatchGenerator.", show_default=False)]
 Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).",
                                                       show_default=False)]
 BaseModel = Annotated[Optional[str], typer.Option(

@@ -165,3 +165,36 @@ def bench_table(result, console: Console) -> None:
                   "β: verify pass / decode step; δ: head steps / decode step; ρ: undo after a rejection / decode step; "
                   "pred.: tok/step ÷ (β + δ + ρ × share of steps with a rejection); "
                   "ovh: share of an MTP step outside model calls", style="dim")
+
+
+def concurrency_table(result, console: Console) -> None:
+    """One row per (depth, concurrency): aggregate and per-stream tok/s of each decoder, speedups, acceptance."""
+    s = result.sampling
+    mode = "greedy" if s.greedy else f"temp {s.temperature}, top-p {s.top_p}, top-k {s.top_k or 'off'}"
+    j = result.to_json()
+    table = Table(title=f"Batched MTP vs mlx-lm's BatchGenerator ({mode}; {result.max_tokens} tokens per stream; "
+                        f"{j['device']})")
+    for col in ("k", "streams", "BatchGenerator tok/s", "plain engine", "MTP tok/s", "MTP per stream", "speedup",
+                "auto tok/s", "auto drafted", "auto speedup", "accept by stream"):
+        table.add_column(col, justify="right")
+    for r in result.rows:
+        bg, pl, mtp, auto = (r.runs[n] for n in ("batchgen", "plain", "mtp", "auto"))
+        table.add_row(
+            str(r.depth), str(r.concurrency), f"{bg.aggregate_tps:.1f}", f"{pl.aggregate_tps:.1f}",
+            f"{mtp.aggregate_tps:.1f}", f"{mtp.per_stream_tps:.1f}", f"{r.speedup('mtp'):.2f}x",
+            f"{auto.aggregate_tps:.1f}", f"{auto.drafted_steps}/{auto.steps}", f"{r.speedup('auto'):.2f}x",
+            " ".join(f"{a:.0%}" for a in mtp.acceptance),
+        )
+    print_whole(table, console)
+    for depth, cross in j["crossover"].items():
+        where = f"from {cross['mtp']} streams" if cross["mtp"] else "at none of the levels measured"
+        console.print(f"k={depth}: batched MTP is slower than BatchGenerator {where}", highlight=False)
+    if s.greedy:
+        bad = [f"k={r.depth} C={r.concurrency}: {n}" for r in result.rows
+               for n, same in r.greedy_identical().items() if not same]
+        if bad:
+            console.print(f"[yellow]greedy output differs from the plain batched engine[/yellow] ({'; '.join(bad)})")
+    console.print("tok/s: decode tokens of all streams per second (prefill excluded); plain engine: our batched "
+                  "step with drafting off; speedup: ÷ BatchGenerator; auto: drafting turned off for a step when "
+                  "measured to lose at that batch size (DraftPolicy); accept: accepted/proposed drafts per stream",
+                  style="dim")

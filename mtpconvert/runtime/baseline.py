@@ -35,11 +35,13 @@ def mlx_lm_sampler(sampling: Sampling) -> Callable[[mx.array], mx.array]:
 def mlx_lm_generate(
     m: MTPModel, prompt: Sequence[int], max_tokens: int, sampling: Sampling = Sampling(),
     seed: Optional[int] = None, eos: Sequence[int] = (), on_tokens: Optional[Callable[[int], None]] = None,
+    logits_processors: Optional[list] = None,
 ) -> Tuple[List[int], DecodeStats]:
     """Decode ``max_tokens`` tokens with ``generate_step``; returns (tokens, stats) timed like ours.
 
     prefill_s runs to the first token, decode_s from there to the last one. mlx-lm samples from
     MLX's global random state, so ``seed`` seeds it (its draws are not our keyed draws).
+    ``logits_processors`` go to ``generate_step`` as they are (the reference for batched rows' processors).
     """
     from mlx_lm.generate import generate_step
 
@@ -48,7 +50,8 @@ def mlx_lm_generate(
     stats = DecodeStats(prompt_tokens=len(prompt))
     out: List[int] = []
     t0 = time.perf_counter()
-    steps = generate_step(mx.array(list(prompt)), m.model, max_tokens=max_tokens, sampler=mlx_lm_sampler(sampling))
+    steps = generate_step(mx.array(list(prompt)), m.model, max_tokens=max_tokens, sampler=mlx_lm_sampler(sampling),
+                          logits_processors=logits_processors)
     for token, _ in steps:
         if not out:
             stats.prefill_s = time.perf_counter() - t0

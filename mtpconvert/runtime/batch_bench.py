@@ -1,0 +1,256 @@
+"""`mtpconvert bench --concurrency`: batched MTP against plain batched decoding.
+
+For each concurrency C (and depth k), C streams start together and decode ``max_tokens`` each with:
+
+``batchgen``  mlx-lm's ``BatchGenerator``: the plain batched baseline every speedup divides by;
+``plain``     our batched engine with drafting off (the "same composition" reference);
+``mtp``       our batched engine, every row drafting every step;
+``auto``      our batched engine under ``DraftPolicy``, which turns drafting off for a step when
+              it measures that drafting loses at this batch size.
+
+Throughput is decode throughput: tokens after each stream's first one, over the time from the last
+stream's first token to the last stream's end (prefill excluded for every decoder alike).
+Aggregate tok/s counts all streams; per-stream tok/s is each stream's own tokens over its own
+decode time, averaged. All decoders run in one process, interleaved per concurrency, after an
+untimed warm-up of each (kernels compile per shape).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .baseline import mlx_lm_sampler
+from .batched import BatchedMTP, StepLog, Stream, run_batch
+from .load import MTPModel
+from .sampling import Sampling
+
+BASELINE = "mlx_lm.generate.BatchGenerator"
+
+
+class DraftPolicy:
+    """Draft a step only when drafting is measured to emit more tokens per second at this batch size.
+
+    Measures, per batch size B, the wall time of a drafting step and of a plain step (exponential
+    moving averages of ``StepLog.seconds``: device work plus the host sync and bookkeeping), and the
+    tokens a drafting row emits per drafting step (1 + accepted drafts, moving average over all
+    rows). With n of B rows drafting it predicts (n * tokens_per_row + B - n) / t_draft against
+    B / t_plain and drafts when the first is larger. Each kind is measured once at a new B before
+    predicting; after that a probe step runs the losing kind so its cost and the acceptance stay
+    current, first after ``reprobe`` decisions, then at doubling intervals (up to ``max_interval``)
+    while the same kind keeps losing: a probe of drafting after a plain stretch is dear, since the
+    head then reads every pending pair of the stretch.
+    """
+
+    def __init__(self, reprobe: int = 16, max_interval: int = 256, smoothing: float = 0.3):
+        self.reprobe, self.max_interval, self.smoothing = reprobe, max_interval, smoothing
+        self.seconds: Dict[Tuple[int, bool], float] = {}
+        self.tokens_per_row: Optional[float] = None
+        self.decisions = 0
+        self.interval = reprobe
+        self.next_probe = reprobe
+        self.last_winner: Optional[bool] = None
+
+    def _ema(self, old: Optional[float], new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def predicted_rates(self, B: int, drafting: int) -> Optional[Tuple[float, float]]:
+        """(drafting tok/s, plain tok/s) at batch size B, or None until both kinds were measured."""
+        t_draft, t_plain = self.seconds.get((B, True)), self.seconds.get((B, False))
+        if t_draft is None or t_plain is None or self.tokens_per_row is None:
+            return None
+        return (drafting * self.tokens_per_row + B - drafting) / t_draft, B / t_plain
+
+    def choose(self, engine: BatchedMTP) -> bool:
+        B = len(engine.streams)
+        drafting = sum(s.draft for s in engine.streams)
+        if not drafting:
+            return False
+        if (B, True) not in self.seconds or self.tokens_per_row is None:
+            return True
+        if (B, False) not in self.seconds:
+            return False
+        draft_rate, plain_rate = self.predicted_rates(B, drafting)
+        self.decisions += 1
+        better = draft_rate > plain_rate
+        if better != self.last_winner:  # the winner changed: probe soon again
+            self.interval, self.next_probe = self.reprobe, self.decisions + self.reprobe
+            self.last_winner = better
+        if self.decisions >= self.next_probe:
+            self.interval = min(2 * self.interval, self.max_interval)
+            self.next_probe = self.decisions + self.interval
+            return not better
+        return better
+
+    def observe(self, engine: BatchedMTP, record: StepLog) -> None:
+        key = (len(record.streams), record.drafted)
+        if not (record.after_join and record.drafted):  # that step's head read whole prompts: not a step cost
+            self.seconds[key] = self._ema(self.seconds.get(key), record.seconds)
+        kept = [a for a in record.accepted if a >= 0]
+        if record.drafted and kept:
+            self.tokens_per_row = self._ema(self.tokens_per_row, 1 + sum(kept) / len(kept))
+
+
+@dataclass
+class DecoderRun:
+    """One decoder over the C streams of one concurrency level."""
+
+    tokens: List[List[int]]
+    first_s: List[float]  # perf_counter of each stream's first token
+    done_s: List[float]  # perf_counter of each stream's last token
+    steps: int = 0
+    drafted_steps: int = 0
+    accepted: List[int] = field(default_factory=list)  # per stream: drafts accepted
+    proposed: List[int] = field(default_factory=list)  # per stream: drafts proposed (all depths)
+
+    @property
+    def generated(self) -> int:
+        return sum(len(t) - 1 for t in self.tokens)
+
+    @property
+    def aggregate_tps(self) -> float:
+        span = max(self.done_s) - max(self.first_s)
+        return self.generated / span if span > 0 else 0.0
+
+    @property
+    def per_stream_tps(self) -> float:
+        rates = [(len(t) - 1) / (d - f) for t, f, d in zip(self.tokens, self.first_s, self.done_s) if d > f]
+        return sum(rates) / len(rates) if rates else 0.0
+
+    @property
+    def acceptance(self) -> List[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    def to_json(self) -> dict:
+        out = {"generated": self.generated, "aggregate_tok_per_s": round(self.aggregate_tps, 2),
+               "per_stream_tok_per_s": round(self.per_stream_tps, 2)}
+        if self.steps:
+            out.update(steps=self.steps, drafted_steps=self.drafted_steps,
+                       acceptance_by_stream=[round(a, 4) for a in self.acceptance])
+        return out
+
+
+def batchgen_decode(m: MTPModel, prompts: Sequence[Sequence[int]], max_tokens: int, sampling: Sampling,
+                    seed: int) -> DecoderRun:
+    """mlx-lm's BatchGenerator on all prompts at once (no stop tokens: every stream runs to max_tokens)."""
+    from mlx_lm.generate import BatchGenerator
+
+    mx.random.seed(seed)
+    gen = BatchGenerator(m.model, max_tokens=max_tokens, sampler=mlx_lm_sampler(sampling),
+                         prefill_batch_size=len(prompts), completion_batch_size=len(prompts))
+    try:
+        uids = gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts))
+        row = {uid: i for i, uid in enumerate(uids)}
+        tokens = [[] for _ in prompts]
+        first, done = [0.0] * len(prompts), [0.0] * len(prompts)
+        finished = 0
+        while finished < len(prompts):
+            _, responses = gen.next()
+            now = time.perf_counter()
+            for r in responses:
+                i = row[r.uid]
+                if not tokens[i]:
+                    first[i] = now
+                tokens[i].append(int(r.token))
+                if r.finish_reason is not None:
+                    done[i] = now
+                    finished += 1
+    finally:
+        gen.close()
+    return DecoderRun(tokens, first, done)
+
+
+def engine_decode(m: MTPModel, prompts: Sequence[Sequence[int]], max_tokens: int, sampling: Sampling, seed: int,
+                  depth: int, mode: str, hidden: str = "post-norm",
+                  policy: Optional[DraftPolicy] = None) -> DecoderRun:
+    streams = [Stream(list(p), max_tokens, sampling=sampling, seed=seed + i) for i, p in enumerate(prompts)]
+    engine = run_batch(m, streams, depth, mode, hidden=hidden, policy=policy)
+    return DecoderRun([s.out for s in streams], [s.first_token_s for s in streams], [s.done_s for s in streams],
+                      steps=len(engine.log), drafted_steps=sum(r.drafted for r in engine.log),
+                      accepted=[sum(s.stats.accepted) for s in streams],
+                      proposed=[sum(s.stats.proposed) for s in streams])
+
+
+@dataclass
+class ConcurrencyRow:
+    concurrency: int
+    depth: int
+    runs: Dict[str, DecoderRun]
+    policy: Optional[DraftPolicy] = None
+
+    def speedup(self, name: str) -> float:
+        base = self.runs["batchgen"].aggregate_tps
+        return self.runs[name].aggregate_tps / base if base else 0.0
+
+    def greedy_identical(self) -> Dict[str, bool]:
+        """Per decoder: every stream's tokens equal the plain batched engine's."""
+        ref = self.runs["plain"].tokens
+        return {name: run.tokens == ref for name, run in self.runs.items() if name != "plain"}
+
+    def to_json(self, greedy: bool) -> dict:
+        out = {"concurrency": self.concurrency, "depth": self.depth,
+               "decoders": {name: run.to_json() for name, run in self.runs.items()},
+               "speedup_mtp": round(self.speedup("mtp"), 3), "speedup_auto": round(self.speedup("auto"), 3),
+               "speedup_plain_engine": round(self.speedup("plain"), 3)}
+        if greedy:
+            out["greedy_identical_to_plain_engine"] = self.greedy_identical()
+        if self.policy is not None:
+            out["policy_step_ms"] = {f"B={b},{'draft' if d else 'plain'}": round(1e3 * s, 3)
+                                     for (b, d), s in sorted(self.policy.seconds.items())}
+        return out
+
+
+@dataclass
+class ConcurrencyResult:
+    path: str
+    sampling: Sampling
+    max_tokens: int
+    prompts: int
+    rows: List[ConcurrencyRow] = field(default_factory=list)
+
+    def crossover(self, depth: int, decoder: str = "mtp") -> Optional[int]:
+        """The smallest concurrency at which ``decoder`` is slower than the plain batched baseline."""
+        losing = [r.concurrency for r in self.rows if r.depth == depth and r.speedup(decoder) < 1]
+        return min(losing) if losing else None
+
+    def to_json(self) -> dict:
+        depths = sorted({r.depth for r in self.rows})
+        return {
+            "path": self.path, "sampling": vars(self.sampling), "max_tokens": self.max_tokens,
+            "prompts": self.prompts, "device": str(mx.default_device()), "baseline": BASELINE,
+            "rows": [r.to_json(self.sampling.greedy) for r in self.rows],
+            "crossover": {str(d): {"mtp": self.crossover(d), "auto": self.crossover(d, "auto")} for d in depths},
+        }
+
+
+def bench_concurrency(
+    m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], max_tokens: int = 64,
+    depths: Sequence[int] = (1,), sampling: Sampling = Sampling(), seed: int = 0, hidden: str = "post-norm",
+    on_tokens: Optional[Callable[[int], None]] = None,
+) -> ConcurrencyResult:
+    """Stream i of a level takes prompt i mod len(encoded); stream i samples with seed + i."""
+    result = ConcurrencyResult(path, sampling, max_tokens, len(encoded))
+    for depth in depths:
+        for c in concurrency:
+            prompts = [encoded[i % len(encoded)] for i in range(c)]
+            decoders = {
+                "batchgen": lambda: batchgen_decode(m, prompts, max_tokens, sampling, seed),
+                "plain": lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "plain", hidden),
+                "mtp": lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "mtp", hidden),
+            }
+            for run in decoders.values():  # warm-up: compiles every shape the timed runs meet
+                run()
+            policy = DraftPolicy()
+            engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden, policy)  # warms it up too
+            decoders["auto"] = lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden,
+                                                     policy)
+            runs = {}
+            for name, run in decoders.items():
+                runs[name] = run()
+                if on_tokens:
+                    on_tokens(runs[name].generated + c)
+            result.rows.append(ConcurrencyRow(c, depth, runs, policy))
+    return result

@@ -1,0 +1,367 @@
+"""Batched MTP decoding: B streams in one step, each row drafting or plain.
+
+One step over the rows in the batch (every row has N_r tokens in its caches and its confirmed
+token t_r not yet fed):
+
+1. draft   (only when some row drafts) the head reads every row's pending pairs in one padded
+           call — rows that run plain this step read theirs too, so the head's cache stays one
+           entry per backbone position in every row — and chains k-1 more proposals; the head's
+           ``RowKVCache`` then drops each row's padding and, after the step, its k-1 chained entries.
+2. verify  one (B, k+1) backbone pass: drafting rows feed [t_r, d_1..d_k]; plain rows feed t_r
+           followed by k tokens whose results are dropped. When no row drafts this is the plain
+           (B, 1) step, and then the head does not run at all (pending pairs accumulate).
+3. decide  per row on device: logits processors on the row's own history (prompt, emitted tokens,
+           then the drafts before each position), then greedy or sampled acceptance
+           (``sampling.accept_drafts``) for drafting rows, a plain draw for plain rows. One
+           ``mx.eval`` for the whole batch: the step's only host sync.
+4. undo    row r keeps a_r + 1 positions: ``rowcache.undo_rows`` trims full-attention rows and
+           replays linear attention per row from the pass's saved inputs.
+
+Random draws are keyed by (stream seed, output position, purpose) only, so a row's draws do not
+depend on the other rows, on when it joined, or on how the steps were cut.
+Rows join (prefilled alone, caches appended) and leave (caches filtered) between steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .load import MTPModel
+from .rollback import enable_rollback
+from .rowcache import RowKVCache, make_row_cache, undo_rows
+from .sampling import Sampling, accept_drafts, categorical
+from .speculative import DecodeStats, backbone_forward
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (history tokens, logits [1, V])
+
+
+def draw_key(seed: int, position: int, purpose: str) -> mx.array:
+    """The PRNG key of one draw: a function of (stream seed, output position, purpose) only."""
+    digest = hashlib.blake2b(f"{seed}/{position}/{purpose}".encode(), digest_size=8).digest()
+    return mx.random.key(int.from_bytes(digest, "little") >> 1)
+
+
+@dataclass
+class Stream:
+    """One sequence: the request, then its decode state. ``draft=False`` keeps the row plain."""
+
+    prompt: List[int]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    seed: int = 0
+    draft: bool = True
+    processors: Sequence[LogitsProcessor] = ()
+    eos: Sequence[int] = ()
+    out: List[int] = field(default_factory=list)
+    accepted: List[int] = field(default_factory=list)  # per step this row took part in: drafts kept, -1 = plain
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    pend_h: Optional[mx.array] = None  # [p, H] backbone states whose next token is known
+    pend_t: List[int] = field(default_factory=list)  # those next tokens
+    first_token_s: float = 0.0  # perf_counter when the first token was known
+    done_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.max_tokens or bool(self.out and self.out[-1] in self.eos)
+
+    def history(self) -> List[int]:
+        """Every token so far, the confirmed one last: what a processor sees for the next position."""
+        return self.prompt + self.out
+
+
+def processed(s: Stream, logits: mx.array, history: mx.array) -> mx.array:
+    """Logits [1, V] after the stream's processors, for the position right after ``history``."""
+    for proc in s.processors:
+        logits = proc(history, logits)
+    return logits
+
+
+def processed_positions(s: Stream, logits: mx.array, drafts: Optional[mx.array]) -> mx.array:
+    """Verify logits [S, V] after the processors: position i sees the history plus drafts d_1..d_i.
+
+    (The confirmed token is already the history's last entry; the verify input [t, d_1..] must not
+    add it again.)"""
+    if not s.processors:
+        return logits
+    base = mx.array(s.history())
+    rows = [processed(s, logits[i:i + 1], base if i == 0 else mx.concatenate([base, drafts[:i]]))
+            for i in range(logits.shape[0])]
+    return mx.concatenate(rows)
+
+
+@dataclass
+class StepLog:
+    """One step: which streams were in the batch and what each did (-1 = plain)."""
+
+    streams: List[int]
+    accepted: List[int]
+    drafted: bool
+    seconds: float
+    after_join: bool = False  # rows joined just before: the head read whole prompts this step
+
+
+class BatchedMTP:
+    """The batch: its streams, one set of row caches, and ``step``."""
+
+    def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm"):
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
+        if hidden not in ("post-norm", "pre-norm"):
+            raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
+        if len(m.head.layers) != 1:
+            raise ValueError("speculative decoding supports one MTP layer (every Qwen3.5/3.6 release has one)")
+        enable_rollback(m.model)
+        self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
+        self.streams: List[Stream] = []
+        self.ids: List[int] = []  # caller's id of each row
+        self.cache: Optional[list] = None
+        self.head_cache: Optional[List[RowKVCache]] = None
+        self.log: List[StepLog] = []
+        self.joined = False  # rows joined since the last step
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, s: Stream, sid: int) -> None:
+        self.add_many([s], [sid])
+
+    def add_many(self, streams: Sequence[Stream], sids: Sequence[int]) -> None:
+        """Prefill new streams, sample their first tokens, and append their rows to the batch.
+
+        Streams whose prompts have the same length are prefilled together in one (G, P) pass: every
+        row at the same length, so it is the stock batched forward with no padding."""
+        by_length: dict = {}
+        for s, sid in zip(streams, sids):
+            by_length.setdefault(len(s.prompt), []).append((s, sid))
+        for group in by_length.values():
+            self._prefill([s for s, _ in group], [sid for _, sid in group])
+
+    def _prefill(self, streams: List[Stream], sids: List[int]) -> None:
+        m = self.m
+        t0 = time.perf_counter()
+        cache = make_row_cache(m.model, max_pass=self.depth + 1, rows=len(streams))
+        prompts = mx.array([s.prompt for s in streams])
+        states = backbone_forward(m, prompts, cache)
+        last = m.logits(states[1][:, -1])  # [G, V]
+        first = mx.concatenate([
+            choose(s.sampling, processed(s, last[r:r + 1], prompts[r]), draw_key(s.seed, 0, "verify"))
+            for r, s in enumerate(streams)])
+        mx.eval(first)
+        now = time.perf_counter()
+        for r, (s, tok) in enumerate(zip(streams, first.tolist())):
+            s.out = [tok]
+            s.stats = DecodeStats(depth=self.depth, prompt_tokens=len(s.prompt), proposed=[0] * self.depth,
+                                  accepted=[0] * self.depth, prefill_s=now - t0)
+            s.pend_h, s.pend_t = states[self.pick][r], s.prompt[1:] + s.out
+            s.first_token_s = now
+        if self.cache is None:
+            self.cache = cache
+            self.head_cache = [RowKVCache([]) for _ in m.head.layers]
+        else:
+            for mine, new in zip(self.cache, cache):
+                mine.extend(new)
+        for c in self.head_cache:  # empty until the row's first draft reads its pending pairs (the prompt)
+            for _ in streams:
+                c.add_empty_row()
+        self.streams.extend(streams)
+        self.ids.extend(sids)
+        self.joined = True
+
+    def drop_finished(self) -> List[int]:
+        """Remove the streams that are done; return their ids."""
+        keep = [i for i, s in enumerate(self.streams) if not s.done]
+        gone = [self.ids[i] for i, s in enumerate(self.streams) if s.done]
+        for s in self.streams:
+            if s.done and not s.done_s:
+                s.done_s = time.perf_counter()
+        if not keep:
+            self.cache = self.head_cache = None
+        elif len(keep) < len(self.streams):
+            for c in self.cache + self.head_cache:
+                c.filter(keep)
+        self.streams = [self.streams[i] for i in keep]
+        self.ids = [self.ids[i] for i in keep]
+        return gone
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, draft: bool = True) -> StepLog:
+        """One batched step; ``draft=False`` runs every row plain (the plain batched engine)."""
+        t0 = time.perf_counter()
+        m, k, rows = self.m, self.depth, self.streams
+        drafting = [draft and s.draft for s in rows]
+        any_draft = any(drafting)
+        S = k + 1 if any_draft else 1
+        confirmed = mx.array([[s.out[-1]] for s in rows])
+        drafts, q = (self._draft(drafting) if any_draft else (None, None))
+        verify_in = mx.concatenate([confirmed, drafts], axis=1) if any_draft else confirmed
+        states = backbone_forward(m, verify_in, self.cache)
+        logits = m.logits(states[1])  # [B, S, V]
+        n_acc, next_tokens = [], []
+        for r, s in enumerate(rows):
+            target = processed_positions(s, logits[r], drafts[r] if any_draft else None)
+            a, nxt = decide(s, target, drafts[r] if drafting[r] else None, q[r] if drafting[r] else None)
+            n_acc.append(a)
+            next_tokens.append(nxt)
+        n_acc, next_tokens = mx.stack(n_acc), mx.stack(next_tokens)
+        mx.eval(n_acc, next_tokens, drafts if any_draft else n_acc)  # the step's one host sync
+        accepted = n_acc.tolist()
+        next_list = next_tokens.tolist()
+        draft_list = drafts.tolist() if any_draft else None
+
+        keep = [a + 1 for a in accepted]
+        undo_rows(self.cache, keep, S)
+        if any_draft and k > 1:
+            self.head_cache[0].trim_rows([k - 1] * len(rows))
+        for r, s in enumerate(rows):
+            a = accepted[r]
+            new = (draft_list[r][:a] if a else []) + [next_list[r][a]]
+            h = states[self.pick][r, :a + 1]
+            if any_draft:  # the head read the old pending pairs this step
+                s.pend_h, s.pend_t = h, list(new)
+            else:
+                s.pend_h, s.pend_t = mx.concatenate([s.pend_h, h]), s.pend_t + new
+            emit(s, new, a if drafting[r] else -1, k)
+        record = StepLog(list(self.ids), [a if d else -1 for a, d in zip(accepted, drafting)], any_draft,
+                         time.perf_counter() - t0, after_join=self.joined)
+        self.joined = self.joined and not any_draft  # until the head has read the new prompts
+        self.log.append(record)
+        return record
+
+    def _draft(self, drafting: List[bool]):
+        """Head pass over every row's pending pairs, then k-1 chained proposals. Returns
+        (drafts [B, k], per-row draft distributions [k, V] or None for greedy/plain rows)."""
+        m, k, rows = self.m, self.depth, self.streams
+        counts = [len(s.pend_t) for s in rows]
+        width = max(counts)
+        hidden = mx.stack([mx.pad(s.pend_h, [(0, width - n), (0, 0)]) for s, n in zip(rows, counts)])
+        nexts = mx.array([s.pend_t + [0] * (width - n) for s, n in zip(rows, counts)])
+        x = m.head(hidden, m.embed(nexts), self.head_cache)  # [B, width, H]
+        self.head_cache[0].trim_rows([width - n for n in counts])
+        last = mx.array([n - 1 for n in counts])[:, None, None]
+        x = mx.take_along_axis(x, last, axis=1)  # [B, 1, H]: each row's last pending position
+        cols, q_rows = [], [[] for _ in rows]
+        for j in range(k):
+            if j:
+                x = m.head(x, m.embed(cols[-1][:, None]), self.head_cache)
+            draft_logits = m.logits(x)[:, -1]  # [B, V]
+            col = []
+            for r, s in enumerate(rows):
+                lg = draft_logits[r:r + 1]
+                if s.processors:
+                    prior = mx.array(s.history())
+                    lg = processed(s, lg, prior if j == 0 else mx.concatenate([prior, mx.stack([c[r] for c in cols])]))
+                if s.sampling.greedy or not drafting[r]:
+                    col.append(mx.argmax(lg[0], axis=-1))
+                else:
+                    q_rows[r].append(s.sampling.probs(lg[0]))
+                    col.append(categorical(q_rows[r][-1], draw_key(s.seed, len(s.out) + j, "draft")))
+            cols.append(mx.stack(col))
+        q = [mx.stack(qr) if qr else None for qr in q_rows]
+        return mx.stack(cols, axis=1), q
+
+
+def choose(sampling: Sampling, logits: mx.array, key: mx.array) -> mx.array:
+    return sampling.sample(logits, key)
+
+
+def decide(s: Stream, target: mx.array, drafts: Optional[mx.array], q: Optional[mx.array]):
+    """(drafts kept, tokens [S]) for one row; tokens[kept] is the token emitted after the kept drafts.
+
+    A plain row keeps none and draws from position 0. Keys depend on (stream, output position)."""
+    key = draw_key(s.seed, len(s.out), "verify")
+    if drafts is None:  # draw at position 0 only: the same draw whatever the pass length
+        token = choose(s.sampling, target[:1], key)
+        return mx.array(0), mx.concatenate([token, mx.zeros(target.shape[0] - 1, token.dtype)])
+    if s.sampling.greedy:
+        return accept_drafts(target, None, drafts, True)
+    return accept_drafts(s.sampling.probs(target), q, drafts, False, key)
+
+
+def emit(s: Stream, new: List[int], a: int, depth: int) -> None:
+    """Append a step's tokens to the stream (cut at EOS and max_tokens) and count them."""
+    s.accepted.append(a)
+    st = s.stats
+    st.steps += 1
+    if a >= 0:
+        for i in range(depth):
+            st.proposed[i] += 1
+            st.accepted[i] += 1 if i < a else 0
+    for i, t in enumerate(new):
+        if t in s.eos:
+            new = new[: i + 1]
+            break
+    new = new[: s.max_tokens - len(s.out)]
+    st.from_drafts += min(max(a, 0), len(new))
+    s.out.extend(new)
+    st.emitted = len(s.out)
+
+
+def run_batch(
+    m: MTPModel, streams: Sequence[Stream], depth: int = 1, mode: str = "mtp", join_at: Optional[Sequence[int]] = None,
+    hidden: str = "post-norm", policy=None,
+) -> BatchedMTP:
+    """Decode ``streams`` together until all are done. Stream i joins before step ``join_at[i]``
+    (default 0) and leaves after the step that finishes it. ``mode``: "mtp" (rows draft as their
+    ``draft`` flag says), "plain" (no row drafts: the plain batched engine), "auto" (``policy``
+    decides per step). Returns the engine (its ``log``; the streams hold their tokens)."""
+    if mode not in ("mtp", "plain", "auto"):
+        raise ValueError(f"mode must be mtp, plain or auto, not {mode!r}")
+    if mode == "auto" and policy is None:
+        from .batch_bench import DraftPolicy
+
+        policy = DraftPolicy()
+    engine = BatchedMTP(m, depth, hidden)
+    join_at = list(join_at) if join_at is not None else [0] * len(streams)
+    waiting = sorted(range(len(streams)), key=lambda i: join_at[i])
+    step = 0
+    while waiting or engine.streams:
+        joining = []
+        while waiting and join_at[waiting[0]] <= step:
+            joining.append(waiting.pop(0))
+        if joining:
+            engine.add_many([streams[i] for i in joining], joining)
+            engine.drop_finished()  # max_tokens 1, or EOS as the first token
+        if engine.streams:
+            draft = mode == "mtp" or (mode == "auto" and policy.choose(engine))
+            record = engine.step(draft)
+            if policy is not None:
+                policy.observe(engine, record)
+            engine.drop_finished()
+        step += 1
+    return engine
+
+
+@dataclass
+class Divergence:
+    """Where two greedy decodes of one prompt part: position, both tokens, and the reference's
+    top-2 logit margin there (a near-tie when it is within kernel rounding)."""
+
+    position: int
+    tokens: tuple
+    margin: float
+
+    def to_json(self) -> dict:
+        return {"position": self.position, "tokens": list(self.tokens), "margin": round(self.margin, 5)}
+
+
+def divergence(m: MTPModel, prompt: Sequence[int], got: Sequence[int], reference: Sequence[int],
+               processors: Sequence[LogitsProcessor] = ()) -> Optional[Divergence]:
+    """None when ``got`` equals ``reference``; else the first position where they differ and the
+    top-2 margin of the reference model's (processed) logits there, from one stock forward."""
+    n = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), None)
+    if n is None:
+        if len(got) == len(reference):
+            return None
+        n = min(len(got), len(reference))
+        return Divergence(n, (None, None), float("inf"))
+    context = list(prompt) + list(reference[:n])
+    logits = m.model(mx.array([context]))[:, -1]
+    for proc in processors:
+        logits = proc(mx.array(context), logits)
+    top2 = mx.sort(logits[0].astype(mx.float32))[-2:].tolist()
+    return Divergence(n, (got[n], reference[n]), top2[1] - top2[0])

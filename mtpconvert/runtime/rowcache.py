@@ -1,0 +1,186 @@
+"""Batched caches in which every row has its own length: what batched MTP decoding needs.
+
+mlx-lm's ``BatchKVCache`` keeps one write cursor for the whole batch (rows are left-padded to
+it), so one row cannot drop its rejected drafts while another keeps them. Here:
+
+``RowKVCache``  full attention. Row r's keys sit left-aligned at positions [0, L_r) of a
+    shared buffer. A pass of S tokens writes row r's keys at [L_r, L_r + S) (one scatter) and
+    advances every row by S; ``trim_rows(n)`` then takes back row r's last n_r (padding, rejected
+    drafts). Positions past L_r keep stale values that no query can see: query i of row r sits at
+    position L_r + i and the mask lets it see keys j <= L_r + i only, and the next pass overwrites
+    them. RoPE gets the per-row offsets L_r. When all rows have the same length the cache behaves
+    exactly like mlx-lm's ``KVCache`` (int offset, mask None / "causal", same slices), so one row
+    alone decodes with the stock kernels and masks.
+``RowRollbackCache``  linear attention (GatedDeltaNet). The recording forward keeps the last
+    pass's inputs (``rollback.RecordingGatedDeltaNet``); ``rollback_rows(keep)`` re-runs the
+    recurrence once over the pass with a per-row mask (position i counts for row r only when
+    i < keep_r; a masked position leaves the state as it was, ``mx.where`` in mlx-lm's step) and
+    takes each row's conv window at its own cut. Padding and rejected drafts so never reach a
+    row's state.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import gated_delta_update
+
+from .rollback import RollbackArraysCache
+
+
+class RowKVCache:
+    """Full-attention KV cache for B rows of different lengths (see the module doc)."""
+
+    step = 256
+
+    def __init__(self, lengths: Sequence[int] = (0,)):
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.lengths: List[int] = list(lengths)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.lengths)) == 1
+
+    @property
+    def offset(self) -> Union[int, mx.array]:
+        """RoPE offset: an int when every row is at the same position (the stock path), else per row."""
+        return self.lengths[0] if self.uniform else mx.array(self.lengths)
+
+    @property
+    def state(self):
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def _grow(self, keys: mx.array, values: mx.array, end: int) -> None:
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        B, H, _, Dk = keys.shape
+        have = 0 if self.keys is None else self.keys.shape[2]
+        extra = ((end - have + self.step - 1) // self.step) * self.step
+        new_k = mx.zeros((B, H, extra, Dk), keys.dtype)
+        new_v = mx.zeros((B, H, extra, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        S = keys.shape[2]
+        end = max(self.lengths) + S
+        self._grow(keys, values, end)
+        if self.uniform:
+            start = self.lengths[0]
+            self.keys[..., start:end, :] = keys
+            self.values[..., start:end, :] = values
+        else:
+            at = (mx.array(self.lengths)[:, None] + mx.arange(S))[:, None, :, None]  # [B, 1, S, 1]
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
+        self.lengths = [n + S for n in self.lengths]
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """Mask for a pass of N tokens, made before it writes. Rows of different lengths get a
+        [B, 1, N, max L + N] boolean mask: query i of row r sees keys 0 .. L_r + i."""
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not used by Qwen3.5")
+        if self.uniform:
+            if N == 1:
+                return None
+            if not return_array:
+                return "causal"
+        lengths = mx.array(self.lengths)[:, None, None, None]
+        keys_at = mx.arange(max(self.lengths) + N)
+        return keys_at <= lengths + mx.arange(N)[:, None]
+
+    def trim_rows(self, n: Sequence[int]) -> None:
+        """Take back the last n[r] positions of row r."""
+        if any(not 0 <= x <= length for x, length in zip(n, self.lengths)):
+            raise ValueError(f"cannot trim {list(n)} from rows of lengths {self.lengths}")
+        self.lengths = [length - x for length, x in zip(self.lengths, n)]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        self.trim_rows([n] * len(self.lengths))
+        return n
+
+    def add_empty_row(self) -> None:
+        """Append a row holding nothing yet."""
+        self.lengths.append(0)
+        if self.keys is not None:
+            self.keys = mx.concatenate([self.keys, mx.zeros((1,) + self.keys.shape[1:], self.keys.dtype)])
+            self.values = mx.concatenate([self.values, mx.zeros((1,) + self.values.shape[1:], self.values.dtype)])
+
+    def filter(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (in that order)."""
+        if self.keys is not None:
+            idx = mx.array(list(rows))
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        self.lengths = [self.lengths[r] for r in rows]
+
+    def extend(self, other: "RowKVCache") -> None:
+        """Append ``other``'s rows after this cache's (buffers padded to the longer one)."""
+        if other.keys is None:
+            raise ValueError("cannot add rows with an empty cache")
+        if self.keys is not None:
+            size = max(self.keys.shape[2], other.keys.shape[2])
+            pad = lambda x: mx.pad(x, [(0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)])  # noqa: E731
+            self.keys = mx.concatenate([pad(self.keys), pad(other.keys)])
+            self.values = mx.concatenate([pad(self.values), pad(other.values)])
+        else:
+            self.keys, self.values = other.keys, other.values
+        self.lengths = self.lengths + other.lengths
+
+
+class RowRollbackCache(RollbackArraysCache):
+    """Linear-attention cache whose last pass can be undone to a different prefix in every row."""
+
+    def rollback_rows(self, keep: Sequence[int]) -> None:
+        """Row r keeps the first keep[r] tokens of the last pass (1 <= keep[r] <= its length)."""
+        S = self.pass_length
+        if any(not 1 <= k <= S for k in keep):
+            raise ValueError(f"cannot keep {list(keep)} of a {S}-token pass")
+        if len(set(keep)) == 1:  # one cut for all rows: the single-sequence undo
+            self.rollback(keep[0])
+            return
+        if self.last_pass is None:
+            raise ValueError(f"a {S}-token pass is longer than max_pass={self.max_pass}: not undoable")
+        p = self.last_pass
+        kept = mx.array(list(keep))
+        counts = mx.arange(S)[None] < kept[:, None]  # [B, S]: positions each row keeps
+        _, state = gated_delta_update(p.q, p.k, p.v, p.a, p.b, p.layer.A_log, p.layer.dt_bias, p.state, counts,
+                                      use_kernel=not p.layer.training)
+        window = (kept[:, None] + mx.arange(p.layer.conv_kernel_size - 1))[..., None]  # [B, K-1, 1]
+        self[0] = mx.take_along_axis(p.conv_input, window, axis=1)
+        self[1] = state
+        self.last_pass = None  # rows now end at different cuts: no single prefix to return to
+        self.pass_length = min(keep)
+
+    def filter(self, rows: Sequence[int]) -> None:
+        super().filter(mx.array(list(rows)))
+        self.last_pass, self.pass_length = None, 0
+
+    def extend(self, other: "RowRollbackCache") -> None:
+        super().extend(other)
+        self.last_pass, self.pass_length = None, 0
+
+
+def make_row_cache(model, max_pass: int, rows: int = 1) -> list:
+    """Empty caches for new rows (prefilled together, then appended to the batch with ``extend``)."""
+    return [RowRollbackCache(max_pass) if layer.is_linear else RowKVCache([0] * rows)
+            for layer in model.language_model.model.layers]
+
+
+def undo_rows(cache: list, keep: Sequence[int], length: int) -> None:
+    """Row r keeps the first keep[r] tokens of the last ``length``-token pass in every layer."""
+    if all(k == length for k in keep):
+        return
+    for c in cache:
+        if isinstance(c, RowRollbackCache):
+            c.rollback_rows(keep)
+        else:
+            c.trim_rows([length - k for k in keep])

@@ -1,0 +1,290 @@
+"""Batched MTP decoding (runtime/batched.py): mixed drafting and plain rows in one step.
+
+Every greedy row must decode what the same engine decodes with drafting off for the whole batch
+(same streams, same joins), and what the row decodes alone except at logged near-ties. Each test
+first checks it is not degenerate: rows accepted different numbers of drafts in one step, a row
+ran plain while others drafted, rows joined and left between steps.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+
+from checkpoints import convert_folder
+from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
+from mtpconvert.runtime import batched
+from mtpconvert.runtime.baseline import mlx_lm_generate
+from mtpconvert.runtime.batched import Stream, divergence, run_batch
+from mtpconvert.runtime.load import load
+from mtpconvert.runtime.rowcache import RowKVCache
+from mtpconvert.runtime.sampling import Sampling
+from mtpconvert.runtime.speculative import plain_generate
+from test_runtime import chi2_critical, chi2_stat
+
+TOKENS = 20
+NEAR_TIE = 0.05  # top-2 logit margin (bf16 model) below which a different argmax is kernel rounding
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batched") / "dense"
+    convert_folder(text_fixture_path("dense"), out, dtype="bfloat16")
+    _, prompts, _ = heldout_prompts(text_fixture_path("dense"), per_file=1, prompt_tokens=24, files=8)
+    return load(out), prompts
+
+
+@pytest.fixture(scope="module")
+def solo(dense):
+    m, prompts = dense
+    return [plain_generate(m, p, TOKENS)[0] for p in prompts]
+
+
+def mixed_streams(prompts, B):
+    """B greedy streams, lengths staggered so rows leave at different steps; every third one starts
+    plain (``Alternate`` flips it every step)."""
+    return [Stream(list(prompts[i]), TOKENS - 2 * (i % 3), draft=i % 3 != 1, seed=i) for i in range(B)]
+
+
+class Alternate:
+    """Between steps, rows with seed % 3 == 1 switch between plain and drafting."""
+
+    def observe(self, engine, record):
+        for s in engine.streams:
+            if s.seed % 3 == 1:
+                s.draft = not s.draft
+
+
+def assert_not_degenerate(engine):
+    drafted = [rec for rec in engine.log if rec.drafted]
+    assert any(len({a for a in rec.accepted if a >= 0}) > 1 for rec in drafted), "no step with different accepts"
+    assert any(-1 in rec.accepted and max(rec.accepted) >= 0 for rec in drafted), "no plain row beside drafting rows"
+    sizes = {len(rec.streams) for rec in engine.log}
+    assert len(sizes) > 1, "the batch never changed: no row joined or left between steps"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("B", [2, 4, 8])
+def test_greedy_rows_match_plain_batched_and_solo(dense, solo, B, depth):
+    m, prompts = dense
+    join_at = [i // 2 for i in range(B)]  # two rows join before each of the first steps
+    mtp = mixed_streams(prompts, B)
+    engine = run_batch(m, mtp, depth, "mtp", join_at=join_at, policy=Alternate())
+    assert_not_degenerate(engine)
+    plain = mixed_streams(prompts, B)
+    plain_engine = run_batch(m, plain, depth, "plain", join_at=join_at)
+    assert not any(rec.drafted for rec in plain_engine.log)
+    for i, (a, b) in enumerate(zip(mtp, plain)):
+        assert a.out == b.out, (i, divergence(m, a.prompt, a.out, b.out))
+        d = divergence(m, a.prompt, a.out, solo[i][: len(a.out)])
+        if d is not None:  # logged, and allowed only at a near-tie of the solo decode
+            print(f"row {i} (B={B}, k={depth}) differs from solo: {d.to_json()}")
+            assert d.margin < NEAR_TIE, d.to_json()
+
+
+def test_moe_rows_match_plain_batched_and_solo(tmp_path):
+    """The MoE text fixture (float32 experts: mlx's CPU gather_mm), B = 4, k = 2."""
+    out = tmp_path / "moe"
+    convert_folder(text_fixture_path("moe"), out, dtype="float32")
+    m = load(out)
+    _, prompts, _ = heldout_prompts(text_fixture_path("moe"), per_file=1, prompt_tokens=24, files=4)
+    join_at = [0, 0, 1, 1]
+    mtp = mixed_streams(prompts, 4)
+    engine = run_batch(m, mtp, 2, "mtp", join_at=join_at, policy=Alternate())
+    assert_not_degenerate(engine)
+    plain = mixed_streams(prompts, 4)
+    run_batch(m, plain, 2, "plain", join_at=join_at)
+    for i, (a, b) in enumerate(zip(mtp, plain)):
+        assert a.out == b.out, (i, divergence(m, a.prompt, a.out, b.out))
+        reference = plain_generate(m, a.prompt, len(a.out))[0]
+        d = divergence(m, a.prompt, a.out, reference)
+        if d is not None:
+            print(f"moe row {i} differs from solo: {d.to_json()}")
+            assert d.margin < NEAR_TIE, d.to_json()
+
+
+def test_plain_rows_read_pending_pairs_in_later_drafts(dense, solo):
+    """A row that runs plain for some steps and then drafts: its head catches up on the pending pairs
+    (acceptance as high as a row that drafted throughout is not required, exactness is)."""
+    m, prompts = dense
+    streams = [Stream(list(p), TOKENS, seed=i) for i, p in enumerate(prompts[:3])]
+    engine = batched.BatchedMTP(m, depth=2)
+    for i, s in enumerate(streams):
+        engine.add(s, i)
+    for n in range(40):
+        if not engine.streams:
+            break
+        engine.step(draft=n % 3 == 2)  # two plain steps, then one drafting step
+        engine.drop_finished()
+    assert any(rec.drafted and max(rec.accepted) > 0 for rec in engine.log)
+    for i, s in enumerate(streams):
+        assert s.out == solo[i], divergence(m, s.prompt, s.out, solo[i])
+
+
+def test_row_kv_cache_masks_per_row():
+    """Rows at lengths 2 and 4 after per-row trims: each query sees exactly its row's keys."""
+    c = RowKVCache([0, 0])
+    kv = mx.arange(2 * 1 * 5 * 1, dtype=mx.float32).reshape(2, 1, 5, 1)
+    c.update_and_fetch(kv, kv)
+    c.trim_rows([3, 1])
+    assert c.lengths == [2, 4] and c.offset.tolist() == [2, 4]
+    mask = c.make_mask(2)  # [2, 1, 2, 6]
+    assert mask[0, 0].tolist() == [[True] * 3 + [False] * 3, [True] * 4 + [False] * 2]
+    assert mask[1, 0].tolist() == [[True] * 5 + [False], [True] * 6]
+    new = mx.full((2, 1, 2, 1), -1.0)
+    keys, _ = c.update_and_fetch(new, new)
+    assert keys[0, 0, :, 0].tolist()[:4] == [0, 1, -1, -1] and keys[1, 0, :, 0].tolist() == [5, 6, 7, 8, -1, -1]
+    with pytest.raises(ValueError, match="cannot trim"):
+        c.trim_rows([5, 0])
+
+
+# ---------------------------------------------------------------- logits processors
+
+
+def _penalised(prompts, B):
+    procs = lambda: make_logits_processors(repetition_penalty=1.6, repetition_context_size=6)  # noqa: E731
+    return [Stream(list(prompts[i]), TOKENS, draft=i != 1, seed=i, processors=procs()) for i in range(B)]
+
+
+@pytest.mark.parametrize("double_count", [False, True], ids=["per-row-history", "confirmed-token-twice"])
+def test_repetition_penalty_sees_each_rows_true_history(dense, monkeypatch, double_count):
+    """Greedy rows under a repetition penalty decode what mlx-lm's generate_step decodes with the same
+    processor. The same check with the confirmed token counted twice (the published bug) must fail:
+    the check can catch it."""
+    m, prompts = dense
+    if double_count:
+        monkeypatch.setattr(Stream, "history", lambda s: s.prompt + s.out + s.out[-1:])
+    B = 4
+    streams = _penalised(prompts, B)
+    engine = run_batch(m, streams, 2, "mtp")
+    assert any(max(rec.accepted) > 0 and -1 in rec.accepted for rec in engine.log)
+    mismatches = []
+    for s in streams:
+        procs = make_logits_processors(repetition_penalty=1.6, repetition_context_size=6)
+        reference, _ = mlx_lm_generate(m, s.prompt, TOKENS, logits_processors=procs)
+        d = divergence(m, s.prompt, s.out, reference, procs)
+        if d is not None:
+            mismatches.append(d)
+    if double_count:
+        assert any(d.margin >= NEAR_TIE for d in mismatches), "double counting went unnoticed"
+    else:
+        assert all(d.margin < NEAR_TIE for d in mismatches), [d.to_json() for d in mismatches]
+        penalised_differs = [s.out != p for s, p in zip(streams, solo_plain(m, prompts, B))]
+        assert any(penalised_differs), "the penalty changed nothing: the test would prove nothing"
+
+
+def solo_plain(m, prompts, B):
+    return [plain_generate(m, p, TOKENS)[0] for p in prompts[:B]]
+
+
+# ---------------------------------------------------------------- sampled rows
+
+
+def second_token_marginal(m, prompt, s: Sampling) -> np.ndarray:
+    first = s.probs(m.model(mx.array([prompt]))[0, -1])
+    support = [int(t) for t in np.nonzero(np.array(first))[0]]
+    second = s.probs(m.model(mx.array([prompt + [t] for t in support]))[:, -1])
+    marginal = np.array((first[mx.array(support)][:, None] * second).sum(axis=0))
+    return marginal / marginal.sum()
+
+
+def test_sampled_rows_keep_their_distribution_beside_greedy_and_plain_rows(dense):
+    """Per row setting: the second token (the first a draft can supply) of batched decodes follows the
+    exact marginal, for two sampled drafting settings, one sampled plain row and a greedy row side by
+    side. Each round is one batch of 4 x 16 rows (every row its own seed, so its own trial)."""
+    m, prompts = dense
+    settings = [Sampling(1.5, top_k=4), Sampling(0.0), Sampling(1.0, top_k=3), Sampling(1.2, top_k=4)]
+    drafts = [True, True, True, False]
+    short = [list(prompts[i][:8]) for i in range(len(settings))]  # one prompt length: one prefill pass
+    marginals = [None if s.greedy else second_token_marginal(m, short[i], s) for i, s in enumerate(settings)]
+    counts = [np.zeros(len(x) if x is not None else 1, dtype=np.int64) for x in marginals]
+    rejected = [0] * len(settings)
+    greedy_seen = set()
+    per_round, rounds = 16, 20
+    for t in range(rounds):
+        streams = [Stream(short[i], 2, sampling=s, draft=drafts[i], seed=1000 * t + 10 * j + i)
+                   for j in range(per_round) for i, s in enumerate(settings)]
+        engine = run_batch(m, streams, 1, "mtp")
+        assert len(engine.log) == 1 and len(engine.log[0].streams) == len(streams)
+        for n, st in enumerate(streams):
+            i = n % len(settings)
+            if marginals[i] is None:
+                greedy_seen.add(tuple(st.out))
+            else:
+                counts[i][st.out[1]] += 1
+            rejected[i] += st.stats.proposed[0] - st.stats.accepted[0]
+    assert len(greedy_seen) == 1, "the greedy row changed with its neighbours' draws"
+    for i, marginal in enumerate(marginals):
+        if marginal is None:
+            continue
+        if drafts[i]:
+            assert rejected[i] > 40, f"setting {i}: the test must exercise rejections"
+        stat, df = chi2_stat(counts[i], marginal)
+        assert stat < chi2_critical(df), (i, stat, df)
+
+
+def test_draws_depend_only_on_row_and_position(dense):
+    """A sampled row decodes the same tokens alone and in a batch, joining early or late."""
+    m, prompts = dense
+    s = Sampling(1.0, top_k=8)
+    alone = [Stream(list(prompts[0]), TOKENS, sampling=s, seed=7)]
+    run_batch(m, alone, 2, "mtp")
+    others = [Stream(list(p), TOKENS, seed=i) for i, p in enumerate(prompts[1:4])]
+    mixed = others + [Stream(list(prompts[0]), TOKENS, sampling=s, seed=7)]
+    run_batch(m, mixed, 2, "mtp", join_at=[0, 0, 0, 3])
+    assert mixed[-1].out == alone[0].out
+
+
+# ---------------------------------------------------------------- bench --concurrency
+
+
+def test_bench_concurrency_json_and_bad_input(tmp_path):
+    """`bench --concurrency` carries per-level rows for every decoder in --json; bad levels exit 2
+    with a message and no traceback."""
+    from typer.testing import CliRunner
+
+    from mtpconvert.cli import app
+    from mtpconvert.fixture import fixture_path
+
+    out = tmp_path / "tiny"
+    convert_folder(fixture_path("dense"), out, dtype="bfloat16")
+    runner = CliRunner()
+    result = runner.invoke(app, ["bench", str(out), "--concurrency", "1,2", "--max-tokens", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    report = json.loads(result.stdout)
+    assert report["baseline"] == "mlx_lm.generate.BatchGenerator"
+    assert [r["concurrency"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert set(row["decoders"]) == {"batchgen", "plain", "mtp", "auto"}
+        assert row["decoders"]["mtp"]["generated"] == 5 * row["concurrency"]
+        assert len(row["decoders"]["mtp"]["acceptance_by_stream"]) == row["concurrency"]
+        assert row["greedy_identical_to_plain_engine"] == {"batchgen": True, "mtp": True, "auto": True}
+    assert set(report["crossover"]) == {"1"}
+    for bad in ("0", "1,x", ","):
+        result = runner.invoke(app, ["bench", str(out), "--concurrency", bad])
+        assert result.exit_code == 2 and "--concurrency" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.05, False), (0.012, True)])
+def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
+    """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
+    tok/s), a 12 ms one wins (583 vs 400). The losing kind is still probed, at growing intervals."""
+    from mtpconvert.runtime.batch_bench import DraftPolicy
+    from mtpconvert.runtime.batched import StepLog
+
+    class Engine:
+        streams = [Stream([1], 10) for _ in range(4)]
+
+    policy, chosen = DraftPolicy(reprobe=8), []
+    for _ in range(120):
+        d = policy.choose(Engine)
+        chosen.append(d)
+        policy.observe(Engine, StepLog([0, 1, 2, 3], [1, 0, 1, 1] if d else [-1] * 4, d,
+                                       draft_seconds if d else 0.010))
+    minority = [i for i, d in enumerate(chosen[2:], 2) if d != expect_drafting]
+    assert chosen[:2] == [True, False]  # each kind measured once first
+    assert 2 <= len(minority) <= 5, minority  # probes, at doubling intervals
+    gaps = [b - a for a, b in zip(minority, minority[1:])]
+    assert gaps == sorted(gaps), gaps
