@@ -67,7 +67,7 @@ def test_feed_order_is_free_but_holds_shards_until_their_layers_ran(tmp_path):
     assert streamed.finish().agreed == layerwise_acceptance(out, max_prompt_tokens=PROMPT_TOKENS).agreed
 
 
-def serve_text_fixture(hub, tmp_path: Path, repo: str, edit=None) -> str:
+def serve_text_fixture(server, tmp_path: Path, repo: str, edit=None) -> str:
     """The dense text fixture on the loopback Hub; ``edit``: a tools/broken_heads.py edit applied to the raw
     weights, so that a correct conversion of them has a broken head."""
     src = tmp_path / f"served-{repo.replace('/', '-')}"
@@ -78,7 +78,7 @@ def serve_text_fixture(hub, tmp_path: Path, repo: str, edit=None) -> str:
         changed = {k: v for k in weights if (v := fn(k, weights[k])) is not None}
         assert changed, edit
         mx.save_safetensors(str(f), {**weights, **changed}, metadata={"format": "pt"})
-    hub.add_folder(repo, src)
+    server.add_folder(repo, src)
     return repo
 
 

@@ -45,14 +45,6 @@ def cast(w: mx.array, dtype: str) -> mx.array:
     return w if w.dtype == target else w.astype(target)
 
 
-def kernel_differs_from_cpu() -> bool:
-    """Whether MLX's ``mx.quantize`` here may not give its CPU kernel's bytes (any GPU backend)."""
-    return mx.default_device().type != mx.DeviceType.cpu
-
-
-AFFINE_BITS = (2, 4, 8)  # widths whose codes tile a 32-bit word
-
-
 def quantize(w: mx.array, q: QuantSpec) -> List[mx.array]:
     """-> [packed weight, scales] (+ biases for affine), as mlx.nn.QuantizedLinear stores them.
 
