@@ -6,7 +6,7 @@
 #   MLX CUDA into /tmp/site), batched. On the CPU: PY=.venv/bin/python RESULTS=/tmp/r LEVELS=1,2 \
 #   MAXTOK=16 benchmarks/device_batched.sh batched  (MoE converts to float32 there: CPU gather_mm).
 #   RESULTS (default $OUT or ./gpu-results), PY (default python3), LEVELS (default 1,2,4,8),
-#   MAXTOK (default 128), TMO (per-bench timeout in s, default 540)
+#   MAXTOK (default 128), TMO (per-bench timeout in s, default 540), VARIANTS (default "dense moe")
 set -u -o pipefail
 RESULTS=${RESULTS:-${OUT:-gpu-results}}
 PY=${PY:-python3}
@@ -25,7 +25,7 @@ for step in "$@"; do
     batched)
       echo "== batched $(date +%T)" | tee -a "$LOG"
       dtype=$("$PY" -c "import mlx.core as mx; print('float32' if mx.default_device() == mx.cpu else 'bfloat16')")
-      for variant in dense moe; do
+      for variant in ${VARIANTS:-dense moe}; do
         name=text-qwen35-mtp; [ $variant = moe ] && name=text-qwen35-moe-mtp
         conv_dtype=bfloat16; [ $variant = moe ] && conv_dtype=$dtype
         out=$CONV/$name-$conv_dtype
