@@ -270,21 +270,43 @@ def test_bench_concurrency_json_and_bad_input(tmp_path):
 @pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.05, False), (0.012, True)])
 def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
     """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
-    tok/s), a 12 ms one wins (583 vs 400). The losing kind is still probed, at growing intervals."""
+    tok/s), a 12 ms one wins (583 vs 400), although the first step of each kind is 20x slower (a
+    kernel compile). The losing kind is still probed, in runs of 3 steps at growing intervals."""
     from mtpconvert.runtime.batch_bench import DraftPolicy
     from mtpconvert.runtime.batched import StepLog
 
     class Engine:
+        depth = 1
         streams = [Stream([1], 10) for _ in range(4)]
 
     policy, chosen = DraftPolicy(reprobe=8), []
-    for _ in range(120):
+    for _ in range(160):
         d = policy.choose(Engine)
+        seconds = draft_seconds if d else 0.010
+        if d not in chosen:
+            seconds *= 20
         chosen.append(d)
-        policy.observe(Engine, StepLog([0, 1, 2, 3], [1, 0, 1, 1] if d else [-1] * 4, d,
-                                       draft_seconds if d else 0.010))
-    minority = [i for i, d in enumerate(chosen[2:], 2) if d != expect_drafting]
-    assert chosen[:2] == [True, False]  # each kind measured once first
-    assert 2 <= len(minority) <= 5, minority  # probes, at doubling intervals
-    gaps = [b - a for a, b in zip(minority, minority[1:])]
+        policy.observe(Engine, StepLog([0, 1, 2, 3], [1, 0, 1, 1] if d else [-1] * 4, d, seconds,
+                                       head_width=2 if d else 0))
+    assert chosen[:6] == [True] * 3 + [False] * 3  # each kind timed 3 times first
+    minority = [i for i, d in enumerate(chosen[6:], 6) if d != expect_drafting]
+    probes = [minority[i:i + 3] for i in range(0, len(minority), 3)]
+    assert 2 <= len(probes) <= 5 and all(p == list(range(p[0], p[0] + 3)) for p in probes), minority
+    gaps = [b[0] - a[0] for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps), gaps
+
+
+def test_draft_policy_does_not_time_a_catch_up_step():
+    """The first drafting step after plain steps reads the whole plain stretch: slow, and not a step cost."""
+    from mtpconvert.runtime.batch_bench import DraftPolicy
+    from mtpconvert.runtime.batched import StepLog
+
+    class Engine:
+        depth = 2
+        streams = [Stream([1], 10) for _ in range(2)]
+
+    policy = DraftPolicy()
+    policy.observe(Engine, StepLog([0, 1], [0, 1], True, 0.5, head_width=40))
+    assert policy.timed.get((2, True)) is None
+    policy.observe(Engine, StepLog([0, 1], [0, 1], True, 0.01, head_width=3))
+    assert list(policy.timed[(2, True)]) == [0.01]

@@ -103,6 +103,7 @@ class StepLog:
     drafted: bool
     seconds: float
     after_join: bool = False  # rows joined just before: the head read whole prompts this step
+    head_width: int = 0  # the most pending pairs one row's head read this step (0: the head did not run)
 
 
 class BatchedMTP:
@@ -197,6 +198,7 @@ class BatchedMTP:
         any_draft = any(drafting)
         S = k + 1 if any_draft else 1
         confirmed = mx.array([[s.out[-1]] for s in rows])
+        head_width = max(len(s.pend_t) for s in rows) if any_draft else 0
         drafts, q = (self._draft(drafting) if any_draft else (None, None))
         verify_in = mx.concatenate([confirmed, drafts], axis=1) if any_draft else confirmed
         states = backbone_forward(m, verify_in, self.cache)
@@ -227,7 +229,7 @@ class BatchedMTP:
                 s.pend_h, s.pend_t = mx.concatenate([s.pend_h, h]), s.pend_t + new
             emit(s, new, a if drafting[r] else -1, k)
         record = StepLog(list(self.ids), [a if d else -1 for a, d in zip(accepted, drafting)], any_draft,
-                         time.perf_counter() - t0, after_join=self.joined)
+                         time.perf_counter() - t0, after_join=self.joined, head_width=head_width)
         self.joined = self.joined and not any_draft  # until the head has read the new prompts
         self.log.append(record)
         return record
