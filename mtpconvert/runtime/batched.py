@@ -106,6 +106,16 @@ class StepLog:
     head_width: int = 0  # the most pending pairs one row's head read this step (0: the head did not run)
 
 
+def head_pass_width(pending: int, depth: int) -> int:
+    """Padded length of the head's pass over the rows' pending pairs. A normal step has at most
+    depth + 1; a catch-up (the first draft after plain steps, or after a join) can have any
+    number, and each new shape costs a kernel compile on a GPU backend (~50-100 ms on MLX CUDA,
+    tens of plain steps), so catch-ups are padded to a power of two: few shapes, at most 2x the work."""
+    if pending <= depth + 1:
+        return pending
+    return 1 << (pending - 1).bit_length()
+
+
 class BatchedMTP:
     """The batch: its streams, one set of row caches, and ``step``."""
 
@@ -239,7 +249,7 @@ class BatchedMTP:
         (drafts [B, k], per-row draft distributions [k, V] or None for greedy/plain rows)."""
         m, k, rows = self.m, self.depth, self.streams
         counts = [len(s.pend_t) for s in rows]
-        width = max(counts)
+        width = head_pass_width(max(counts), k)
         hidden = mx.stack([mx.pad(s.pend_h, [(0, width - n), (0, 0)]) for s, n in zip(rows, counts)])
         nexts = mx.array([s.pend_t + [0] * (width - n) for s, n in zip(rows, counts)])
         x = m.head(hidden, m.embed(nexts), self.head_cache)  # [B, width, H]
