@@ -1,0 +1,61 @@
+"""Where an ``auto`` batched decode's time goes: every step of a timed run (after the same warm-up
+``bench --concurrency`` does), with its batch size, whether it drafted, the head's pass width and
+its wall time; slow steps (> 3x the median of their kind) are listed.
+
+    python benchmarks/auto_steps.py OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
+from mtpconvert.runtime.batch_bench import DraftPolicy, engine_decode
+from mtpconvert.runtime.batched import Stream, run_batch
+from mtpconvert.runtime.load import load
+from mtpconvert.runtime.sampling import Sampling
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--variant", default="dense")
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    m = load(args.folder)
+    _, ids, _ = heldout_prompts(text_fixture_path(args.variant), per_file=1, prompt_tokens=32, files=8)
+    prompts = [ids[i % len(ids)] for i in range(args.concurrency)]
+    greedy = Sampling()
+    for mode in ("plain", "mtp"):
+        engine_decode(m, prompts, args.max_tokens, greedy, 0, args.depth, mode)
+    policy = DraftPolicy()
+    engine_decode(m, prompts, args.max_tokens, greedy, 0, args.depth, "auto", policy=policy)
+    report = {}
+    for mode in ("plain", "mtp", "auto"):
+        streams = [Stream(list(p), args.max_tokens) for p in prompts]
+        engine = run_batch(m, streams, args.depth, mode, policy=policy if mode == "auto" else None)
+        steps = [{"B": len(r.streams), "drafted": r.drafted, "head_width": r.head_width, "ms": round(1e3 * r.seconds, 3)}
+                 for r in engine.log]
+        kinds = {}
+        for s in steps:
+            kinds.setdefault(s["drafted"], []).append(s["ms"])
+        medians = {k: statistics.median(v) for k, v in kinds.items()}
+        slow = [dict(s, step=i) for i, s in enumerate(steps) if s["ms"] > 3 * medians[s["drafted"]]]
+        total = sum(s["ms"] for s in steps)
+        print(f"{mode}: {len(steps)} steps, {total:.0f} ms; median ms drafted/plain "
+              f"{medians.get(True, 0):.2f}/{medians.get(False, 0):.2f}; slow steps {len(slow)} = "
+              f"{sum(s['ms'] for s in slow):.0f} ms: {slow[:12]}", flush=True)
+        report[mode] = {"steps": steps, "slow": slow, "total_ms": total}
+    if args.json:
+        args.json.write_text(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
