@@ -5,6 +5,7 @@ with the converter in a memory-limited cgroup and its working folder on a small 
         --mem-gb 1 --disk-gb 2.75 --no-smoke
     sudo python benchmarks/constrained_publish.py --model Qwen3.5-4B --layers 6 --shard-gb 0.4 \\
         --mem-gb 1 --disk-gb 3.25
+    sudo python benchmarks/constrained_publish.py ... --no-smoke --prefetch-shards 0   # one raw shard at a time
 
 Needs root (cgroup and loop mount). The limits are enforced by the kernel, not measured after
 the fact: the memory limit is a cgroup (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``) that
@@ -106,9 +107,11 @@ class DiskWatch(threading.Thread):
         while not self._halt.is_set():
             self.peak = max(self.peak, disk_used(self.mount) - self.base)
             self.peak_output = max(self.peak_output, allocated_under(self.mount / ".out.partial"))
+            self.peak_raw = max(self.peak_raw, allocated_under(self.mount / ".out.stream"))
             self._halt.wait(self.every)
 
     peak_output = 0  # the partial output folder alone (shards with data, sidecar, the smoke's copies)
+    peak_raw = 0  # the streamed raw shards (staging folder: header stubs and downloaded shards)
 
     def stop(self) -> int:
         self._halt.set()
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-smoke", action="store_true")
     ap.add_argument("--smoke-mode", default="layerwise", choices=["layerwise", "full"],
                     help="layerwise: fed shard by shard, shards freed as they go; full: every shard kept to the end")
+    ap.add_argument("--prefetch-shards", type=int, default=None,
+                    help="passed to the converter (--stream --prefetch-shards N; default: its own, 1)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/constrained-publish"))
     args = ap.parse_args(argv)
 
@@ -162,6 +167,8 @@ def main(argv=None) -> int:
                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
             command = ["pull-and-quantize", "Qwen/Synth", str(mount / "out"), "--bits", str(args.bits),
                        "--stream", "--max-shard-size", str(args.out_shard_gb), "--upload-repo", "bench/synth"]
+            if args.prefetch_shards is not None:
+                command += ["--prefetch-shards", str(args.prefetch_shards)]
             command += ["--no-smoke"] if args.no_smoke else ["--smoke-mode", args.smoke_mode, "--min-acceptance", "0"]
             watch = DiskWatch(mount)
             watch.start()
@@ -189,6 +196,7 @@ def main(argv=None) -> int:
                 "oom_kills": oom_kills(group),
                 "peak_disk_bytes": peak_disk,
                 "peak_output_folder_bytes": watch.peak_output,
+                "peak_raw_stage_bytes": watch.peak_raw,
                 "wall_s": round(wall, 1),
                 "tail": (proc.stdout + proc.stderr).strip().splitlines()[-6:],
             }

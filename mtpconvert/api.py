@@ -171,25 +171,33 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
                      cache_dir: Optional[PathLike] = None, local_dir: Optional[PathLike] = None,
                      token: Optional[str] = None, timeout: float = 30.0, overwrite: bool = False,
                      resume: bool = False, upload_repo: Optional[str] = None, private: bool = False,
-                     events: Optional[Events] = None) -> ConversionResult:
+                     prefetch_shards: Optional[int] = None, events: Optional[Events] = None) -> ConversionResult:
     """Download only what the conversion needs (pinned to one commit), convert, check; optionally upload.
 
     With ``stream``, each raw shard is fetched when first needed and deleted after its last
-    use, so raw data on disk stays within the two largest shards.
+    use, so raw data on disk stays within the two largest shards; ``prefetch_shards`` (only with
+    ``stream``; default 1) is how many are downloaded ahead of the one being read: 0 holds one.
     """
     from .hub import pull
+    from .hub.stream import DEFAULT_PREFETCH_SHARDS, shards_held
 
+    if prefetch_shards is not None and not stream:
+        raise OptionsError("--prefetch-shards needs --stream (a plain pull downloads every shard first)")
+    prefetch = DEFAULT_PREFETCH_SHARDS if prefetch_shards is None else prefetch_shards
+    keep = shards_held(prefetch)
     events = events or Events()
     events.stage(f"resolving {repo_id}")
     pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
     out = Path(out) if out is not None else default_out(repo_id, options)
     meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
+    if stream and prefetch != DEFAULT_PREFETCH_SHARDS:  # the default leaves the record as a plain pull's
+        meta["stream"] = {"prefetch_shards": prefetch}
     local = Path(local_dir) if local_dir else None
     if stream:
         publish = {"repo_id": upload_repo, "private": private} if upload_repo else None
         result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
                                    checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta,
-                                   publish=publish)
+                                   publish=publish, keep=keep)
     else:
         events.stage(f"downloading {repo_id}")
         events.download(0, pulled.total_bytes or None)
@@ -207,11 +215,11 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
 
 def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, local_dir: Optional[Path],
                       timeout: float, checks: Checks, overwrite: bool, resume: bool, events: Events,
-                      meta: dict, publish: Optional[dict] = None) -> ConversionResult:
+                      meta: dict, publish: Optional[dict] = None, keep: int = 2) -> ConversionResult:
     """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use.
 
     ``publish`` ({"repo_id", "private"}): each finished output shard is uploaded as it is written and one
-    commit publishes the folder once the checks passed (``hub.publish``)."""
+    commit publishes the folder once the checks passed (``hub.publish``). ``keep``: raw shards held at once."""
     from .hub import pull
     from .hub.stream import ShardStream, first_use_order
 
@@ -224,7 +232,8 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
         if publish:
             publisher = _publisher(publish, out, token, plan_, checks)
         feed = ShardStream(first_use_order(plan_, ckpt),
-                           lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout))
+                           lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout),
+                           keep=keep)
         if publisher is not None:
             publisher.open()
         try:
@@ -416,5 +425,7 @@ def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool =
     from .recipes import find_recipe, load_recipe
 
     recipe = load_recipe(find_recipe(path))
+    if overrides.get("stream") and "prefetch_shards" not in overrides:  # the recipe's disk policy, streamed only
+        overrides["prefetch_shards"] = recipe.prefetch_shards
     return pull_and_convert(recipe.repo, out, recipe.options, revision=recipe.revision, token=token,
                             upload_repo=recipe.upload_repo if upload else None, events=events, **overrides)

@@ -92,7 +92,9 @@ def command_args(record: dict, out_name: str) -> Optional[List[str]]:
     options = record.get("options", {})
     if record.get("command") == "pull-and-quantize" and record.get("source_repo"):
         revision = ["--revision", record["source_revision"]] if record.get("source_revision") else []
-        return ["pull-and-quantize", record["source_repo"], out_name, *revision, *option_args(options)]
+        stream = record.get("stream")  # recorded when --stream ran with a non-default --prefetch-shards
+        streamed = ["--stream", "--prefetch-shards", str(stream["prefetch_shards"])] if stream else []
+        return ["pull-and-quantize", record["source_repo"], out_name, *revision, *option_args(options), *streamed]
     if record.get("command") == "convert":
         source = record.get("source_folder") or (record.get("source_repo") or "SOURCE").split("/")[-1]
         base = ["--base-model", record["source_repo"]] if record.get("source_repo") else []

@@ -34,7 +34,7 @@ from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 BUNDLED = Path(__file__).parent / "data" / "recipes"
 REPO = re.compile(r"^Qwen/Qwen3\.[56]-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
-        "runner", "max_shard_gb"}
+        "runner", "max_shard_gb", "prefetch_shards"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class Recipe:
     keep_vision: bool = False
     runner: str = "standard"
     max_shard_gb: float = STREAM_SHARD_GB
+    prefetch_shards: int = 1  # --stream --prefetch-shards: raw shards downloaded ahead of the one read
 
     @property
     def params_b(self) -> float:
@@ -113,15 +114,21 @@ class Recipe:
         bits = (self.bits or 16) + (32 / (self.group_size or 64) if self.bits else 0)
         return params_b * bits / 8
 
+    @property
+    def raw_shard_gb(self) -> float:
+        """One raw (bf16) shard of the release: its size / its shard count."""
+        return self.params_b * 2 / self.release.raw_shards
+
     def disk_needed_gb(self) -> float:
         """Peak disk of ``recipe run --stream`` with upload and smoke: each output shard is uploaded
-        and freed once the streamed smoke has run its layers, so the peak is two raw shards (one
-        read, one prefetched), two output shards (one uploading, one being written), the MTP
-        sidecar (kept to the end: linked and committed), the smoke's copy of ``lm_head`` (read after
-        the last layer) and a margin. The output's total size does not enter."""
+        and freed once the streamed smoke has run its layers, so the peak is ``1 + prefetch_shards``
+        raw shards (one read, the rest downloading ahead; no output tensor of a Qwen3.5/3.6 release
+        reads two shards, tests/test_recipes.py), two output shards (one uploading, one being
+        written), the MTP sidecar (kept to the end: linked and committed), the smoke's copy of
+        ``lm_head`` (read after the last layer) and a margin. The output's total size does not enter."""
         r = self.release
-        raw_shard = self.params_b * 2 / r.raw_shards
-        return 2 * raw_shard + 2 * self.max_shard_gb + r.head_gb + self._gb_at_bits(VOCAB * r.hidden / 1e9) + MARGIN_GB
+        return ((1 + self.prefetch_shards) * self.raw_shard_gb + 2 * self.max_shard_gb + r.head_gb
+                + self._gb_at_bits(VOCAB * r.hidden / 1e9) + MARGIN_GB)
 
     def memory_needed_gb(self) -> float:
         """Peak memory of the layerwise smoke (docs/smoke.md): the larger of the largest decoder layer at
@@ -139,8 +146,8 @@ class Recipe:
         return ConvertOptions(dtype=self.dtype, quant=self.quant, keep_vision=self.keep_vision,
                               max_shard_bytes=int(self.max_shard_gb * (1 << 30)))
 
-    def cli_args(self) -> List[str]:
-        """The equivalent `mtpconvert pull-and-quantize` arguments."""
+    def cli_args(self, stream: bool = False) -> List[str]:
+        """The equivalent `mtpconvert pull-and-quantize` arguments (``stream``: as `recipe run --stream` runs it)."""
         args = ["pull-and-quantize", self.repo, "--revision", self.revision]
         for flag, value in (("--bits", self.bits), ("--group-size", self.group_size), ("--dtype", self.dtype),
                             ("--mtp-bits", self.mtp_bits)):
@@ -149,6 +156,8 @@ class Recipe:
         args += ["--mtp", self.mtp, "--q-mode", self.q_mode, "--max-shard-size", f"{self.max_shard_gb:g}"]
         if self.keep_vision:
             args.append("--keep-vision")
+        if stream:
+            args += ["--stream", "--prefetch-shards", str(self.prefetch_shards)]
         return args
 
 
@@ -168,6 +177,8 @@ def load_recipe(path: Path) -> Recipe:
     for key, want in types.items():
         if key in data and (not isinstance(data[key], want) or (want is int and isinstance(data[key], bool))):
             raise OptionsError(f"{key} must be a {want.__name__}", file=path, key=key)
+    if "prefetch_shards" in data and (type(data["prefetch_shards"]) is not int or data["prefetch_shards"] < 0):
+        raise OptionsError("prefetch_shards must be an integer, 0 or more", file=path, key="prefetch_shards")
     if "max_shard_gb" in data and (isinstance(data["max_shard_gb"], bool) or not isinstance(data["max_shard_gb"], (int, float))
                                    or data["max_shard_gb"] <= 0):
         raise OptionsError("max_shard_gb must be a positive number", file=path, key="max_shard_gb")
@@ -224,8 +235,9 @@ def runner_labels(overrides_json: str = "") -> Dict[str, str]:
 
 
 def workflow_matrix(pattern: str, runner: str = "recipe", labels: Optional[Dict[str, str]] = None) -> List[dict]:
-    """One job per recipe file matching ``pattern``: the file, and the runner label it runs on
-    (the recipe's own size, or ``runner`` for all of them)."""
+    """One job per recipe file matching ``pattern``: the file, the runner label it runs on (the recipe's
+    own size, or ``runner`` for all of them) and the raw shards its streamed pull holds at once
+    (``1 + prefetch_shards``: ``recipe run --stream`` applies the recipe's own, this shows it)."""
     files = sorted(glob.glob(pattern))
     if not files:
         raise OptionsError("no recipe matches", file=pattern)
@@ -236,7 +248,7 @@ def workflow_matrix(pattern: str, runner: str = "recipe", labels: Optional[Dict[
     for f in files:
         recipe = load_recipe(Path(f))
         size = recipe.runner if runner == "recipe" else runner
-        jobs.append({"recipe": f, "size": size, "runs_on": labels[size]})
+        jobs.append({"recipe": f, "size": size, "runs_on": labels[size], "raw_shards": 1 + recipe.prefetch_shards})
     return jobs
 
 

@@ -311,6 +311,72 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch,
     assert len(plain) > 1 and streamed == plain
 
 
+@pytest.mark.parametrize("prefetch", ["0", None])
+def test_stream_with_no_prefetch_holds_one_raw_shard(hub, tmp_path, monkeypatch, prefetch):
+    """--stream --prefetch-shards 0: every download starts with no other raw shard on disk (a dense model:
+    no output tensor reads two shards), so raw data on disk never exceeds the largest shard; the output
+    bytes are the default's, and the option is recorded for the card's command. The default (one shard
+    ahead) starts a download while a shard is on disk: the measurement tells the two apart."""
+    from checkpoints import build
+
+    from mtpconvert.hub import pull as hub_mod
+    from mtpconvert.provenance import command_args
+
+    # text-only: a reshard of the VLM wrapper puts the vision tower in a shard of its own, which a pull skips
+    src = reshard(build(tmp_path / "one", wrapper="text", dtype="bfloat16", seed=3).path, tmp_path / "five", 5)
+    hub.add_folder("Qwen/Five-Dense", src)
+    sizes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
+    stage, stubs = tmp_path / ".streamed.stream", 5 * 8192  # a stub's allocated header blocks
+    assert sizes[0] > 2 * stubs  # a shard on disk shows above the stubs
+
+    def on_disk() -> int:
+        return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
+
+    at_start, after, real_fetch = [], [], hub_mod.fetch_file
+
+    def fetch(plan, name, dest, **kw):
+        shard = name.endswith(".safetensors")  # not config, tokenizer, index
+        if shard:
+            at_start.append(on_disk())
+        real_fetch(plan, name, dest, **kw)
+        if shard:
+            after.append(on_disk())
+
+    monkeypatch.setattr(hub_mod, "fetch_file", fetch)
+    args = ["--bits", "4", "--group-size", "32", "--no-smoke"]
+    extra = ["--prefetch-shards", prefetch] if prefetch else []
+    out = tmp_path / "streamed"
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Five-Dense", str(out), "--stream", *args, *extra])
+    assert result.exit_code == 0, result.output
+    assert len(at_start) == 5
+    record = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["mtpconvert"]
+    if prefetch == "0":
+        assert max(at_start) <= stubs, at_start  # nothing else downloaded when a download starts
+        assert sizes[0] < max(after) <= sizes[-1] + stubs, (after, sizes)
+        assert record["stream"] == {"prefetch_shards": 0}
+        assert command_args(record, "x")[-3:] == ["--stream", "--prefetch-shards", "0"]
+        default = tmp_path / "default"
+        assert runner.invoke(app, ["pull-and-quantize", "Qwen/Five-Dense", str(default), "--stream",
+                                   *args]).exit_code == 0
+        assert ({p.name: p.read_bytes() for p in out.glob("*.safetensors")}
+                == {p.name: p.read_bytes() for p in default.glob("*.safetensors")})
+    else:
+        assert max(at_start) > sizes[0] + stubs // 2, at_start  # the next shard came while one was read
+        assert "stream" not in record  # the default: the record of a plain pull
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--prefetch-shards", "0"], "--prefetch-shards needs --stream"),
+    (["--stream", "--prefetch-shards", "-1"], "--prefetch-shards must be 0 or more"),
+])
+def test_bad_prefetch_is_one_line_naming_the_option(hub, tmp_path, args, expected):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MTP", str(out), "--no-smoke", *args])
+    assert result.exit_code == 2 and expected in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()
+    assert not [r for r in hub.log if r.path.endswith(".safetensors")]  # refused before any shard was read
+
+
 def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkeypatch):
     """A shard that cannot be fetched mid-conversion (here: gone from the repository after the plan
     was made) fails the run with its name; no OUT, no partial folder, no staged shards are left."""

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 import yaml
 
@@ -39,6 +40,9 @@ def test_every_recipe_is_valid():
     ('repo = "Qwen/Qwen3.5-27B"\nbits = "4"\n', "bits"),
     ('repo = "Qwen/Qwen3.5-27B"\ncolour = "red"\n', "colour"),
     ('repo = "Qwen/Qwen3.5-27B"\nmtp = "half"\n', "mtp"),
+    ('repo = "Qwen/Qwen3.5-27B"\nprefetch_shards = -1\n', "prefetch_shards"),
+    ('repo = "Qwen/Qwen3.5-27B"\nprefetch_shards = true\n', "prefetch_shards"),
+    ('repo = "Qwen/Qwen3.5-27B"\nprefetch_shards = 0.5\n', "prefetch_shards"),
     ('repo = ', None),
 ])
 def test_bad_recipes_are_refused_with_file_and_key(tmp_path, body, key):
@@ -97,19 +101,29 @@ def test_find_recipe_by_bundled_name_or_path(tmp_path, monkeypatch):
         find_recipe("Qwen9-1B")
 
 
+def smallest_runner(r) -> str:
+    need = (r.disk_needed_gb(), r.memory_needed_gb())
+    return next(n for n in RUNNERS if RUNNERS[n].disk_gb >= need[0] and RUNNERS[n].memory_gb >= need[1])
+
+
 def test_every_recipe_runs_on_the_smallest_runner_with_the_disk_and_memory_it_needs():
-    """--stream --upload-repo with the streamed smoke: two raw + two output shards, the head, lm_head's copy;
-    memory: the largest layer or the head as the layerwise smoke holds it."""
-    order = list(RUNNERS)
+    """--stream --upload-repo with the streamed smoke: 1 + prefetch_shards raw shards + two output shards, the
+    head, lm_head's copy; memory: the largest layer or the head as the layerwise smoke holds it. A recipe holds
+    one raw shard (prefetch_shards = 0: downloads no longer overlap conversion) only where two would need a
+    larger runner."""
     for r in list_recipes(ROOT / "recipes"):
         assert r.runner in RUNNERS and r.runner in r.path.read_text(), r.path.name
-        need = (r.disk_needed_gb(), r.memory_needed_gb())
-        fits = [n for n in order if RUNNERS[n].disk_gb >= need[0] and RUNNERS[n].memory_gb >= need[1]]
-        assert r.runner == fits[0], (r.path.name, r.runner, need)
-    sizes = {r.path.name: r.runner for r in list_recipes(ROOT / "recipes")}
-    assert sizes["Qwen3.6-27B-8bit-bf16.toml"] == "standard"  # 3.6 GB raw shards
-    assert sizes["Qwen3.5-27B-4bit-bf16.toml"] == "large"  # two 5 GB raw shards in flight: 14.4 GB > 14
-    assert sizes["Qwen3.5-397B-A17B-4bit-bf16.toml"] == "xlarge"  # the head in float32 on the CPU: 26 GB
+        assert r.runner == smallest_runner(r), (r.path.name, r.runner, r.disk_needed_gb(), r.memory_needed_gb())
+        if r.prefetch_shards == 0:
+            assert smallest_runner(replace(r, prefetch_shards=1)) != r.runner, r.path.name  # needed, not habit
+        else:
+            assert smallest_runner(replace(r, prefetch_shards=0)) == r.runner, r.path.name  # would win nothing
+    sizes = {r.path.name: (r.runner, r.prefetch_shards) for r in list_recipes(ROOT / "recipes")}
+    assert sizes["Qwen3.6-27B-8bit-bf16.toml"] == ("standard", 1)  # 3.6 GB raw shards: two fit
+    for name in ("Qwen3.5-27B", "Qwen3.5-35B-A3B"):  # two 5 GB raw shards: 14.4-15.2 GB > 14; one: 9.5-10.2
+        assert {v for k, v in sizes.items() if k.startswith(name + "-")} == {("standard", 0)}
+    assert sizes["Qwen3.5-122B-A10B-4bit-bf16.toml"] == ("large", 1)  # 6.3 GB shard + 5 GB head: 14.7 > 14 even with one
+    assert sizes["Qwen3.5-397B-A17B-4bit-bf16.toml"] == ("xlarge", 1)  # the head in float32 on the CPU: 26 GB
 
 
 def test_recipe_output_shard_size_reaches_the_command(tmp_path):
@@ -134,8 +148,9 @@ def test_unknown_runner_is_refused(tmp_path):
 def test_workflow_matrix(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     jobs = workflow_matrix("recipes/Qwen3.5-27B-4bit-*.toml")
-    assert jobs == [{"recipe": f"recipes/Qwen3.5-27B-4bit-{d}.toml", "size": "large", "runs_on": RUNNERS["large"].label}
-                    for d in ("bf16", "fp16")]
+    assert jobs == [{"recipe": f"recipes/Qwen3.5-27B-4bit-{d}.toml", "size": "standard",
+                     "runs_on": RUNNERS["standard"].label, "raw_shards": 1} for d in ("bf16", "fp16")]
+    assert [j["raw_shards"] for j in workflow_matrix("recipes/Qwen3.6-27B-4bit-*.toml")] == [2, 2]
     labels = runner_labels('{"xlarge": "org-8core"}')
     assert workflow_matrix("recipes/Qwen3.5-27B-4bit-bf16.toml", "xlarge", labels)[0]["runs_on"] == "org-8core"
     with pytest.raises(OptionsError):
@@ -161,13 +176,26 @@ def test_publish_workflow(tmp_path):
     # the matrix step's command, as the workflow runs it (before anything is installed)
     step = next(s for s in jobs["matrix"]["steps"] if s.get("id") == "list")
     assert step["env"]["PYTHONPATH"] == "."
-    command = step["run"].split(">>")[0].replace("${GLOB}", "Qwen3.5-397B-A17B-4bit-*").replace("$RUNNER", "recipe")
-    out = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], "PYTHONPATH": "."})
-    assert out.returncode == 0, out.stderr
-    include = json.loads(out.stdout.removeprefix("include="))
-    assert [j["size"] for j in include] == ["xlarge", "xlarge"]
+    def matrix(glob):
+        command = step["run"].split(">>")[0].replace("${GLOB}", glob).replace("$RUNNER", "recipe")
+        out = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
+                             env={"PATH": os.environ["PATH"], "PYTHONPATH": "."})
+        assert out.returncode == 0, out.stderr
+        return [(j["size"], j["raw_shards"]) for j in json.loads(out.stdout.removeprefix("include="))]
+
+    assert matrix("Qwen3.5-397B-A17B-4bit-*") == [("xlarge", 2), ("xlarge", 2)]
+    assert matrix("Qwen3.5-35B-A3B-8bit-*") == [("standard", 1)]  # prefetch_shards = 0: one raw shard
+    assert "matrix.raw_shards" in publish["name"] and "matrix.size" in publish["name"]
 
     # recipe run takes what the workflow passes it
     result = runner.invoke(app, ["recipe", "run", "--help"])
     assert "--stream" in result.output and "--resume" in result.output
+
+
+def test_recipe_prefetch_reaches_the_streamed_command(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('repo = "Qwen/Qwen3.5-27B"\nbits = 4\nprefetch_shards = 0\n')
+    r = load_recipe(f)
+    assert r.prefetch_shards == 0 and "--prefetch-shards" not in r.cli_args()  # a plain pull has no stream
+    assert r.cli_args(stream=True)[-3:] == ["--stream", "--prefetch-shards", "0"]
+    assert replace(r, prefetch_shards=1).disk_needed_gb() - r.disk_needed_gb() == pytest.approx(r.raw_shard_gb)

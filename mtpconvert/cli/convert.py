@@ -36,6 +36,8 @@ PULL_EPILOG = """Examples:
   mtpconvert pull-and-quantize Qwen/Qwen3.5-27B --bits 4 --dtype float16
 
   mtpconvert pull-and-quantize Qwen/Qwen3.5-397B-A17B --bits 4 --stream --upload-repo me/Qwen3.5-397B-4bit-mtp
+
+  mtpconvert pull-and-quantize Qwen/Qwen3.5-27B --bits 4 --stream --prefetch-shards 0   # one raw shard on disk
 """
 
 
@@ -151,7 +153,8 @@ def pull_and_quantize(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size.")] = False,
     stream: Annotated[bool, typer.Option("--stream", help="Fetch each raw shard when first needed and delete it "
                                          "after its last use: raw data on disk stays within the two largest "
-                                         "shards.")] = False,
+                                         "shards (one with --prefetch-shards 0).")] = False,
+    prefetch_shards: o.PrefetchShards = None,
     timeout: o.Timeout = 30.0,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: the download plan as JSON.")] = False,
     overwrite: o.Overwrite = False,
@@ -182,7 +185,7 @@ def pull_and_quantize(
                                                                                               smoke_mode),
                                       stream=stream, cache_dir=cache_dir, local_dir=local_dir, token=token,
                                       timeout=timeout, overwrite=overwrite, resume=resume, upload_repo=upload_repo,
-                                      private=private, events=events)
+                                      private=private, prefetch_shards=prefetch_shards, events=events)
     print_result(result)
     if upload_repo:
         console.print(f"[green]uploaded[/green] {upload_repo}")

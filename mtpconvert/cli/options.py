@@ -64,6 +64,10 @@ Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Pr
 BaseModel = Annotated[Optional[str], typer.Option(
     "--base-model", help="Hub repo id of the source release (e.g. Qwen/Qwen3.5-27B), recorded for the model card.",
     show_default=False)]
+PrefetchShards = Annotated[Optional[int], typer.Option(
+    "--prefetch-shards", help="With --stream: raw shards downloaded ahead of the one being converted (default 1; "
+    "0: one raw shard on disk at a time, each download waits for the previous shard to be deleted).",
+    show_default=False)]
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
 
 DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, mtp_layout=MtpLayoutChoice.sidecar, max_shard_gb=5.0,

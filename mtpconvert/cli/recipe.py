@@ -69,7 +69,8 @@ def recipe_run(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the download plan only.")] = False,
     no_upload: Annotated[bool, typer.Option("--no-upload", help="Convert but do not upload.")] = False,
     stream: Annotated[bool, typer.Option("--stream", help="Fetch each raw shard when first needed and delete it "
-                                         "after its last use (pull-and-quantize --stream).")] = False,
+                                         "after its last use (pull-and-quantize --stream, with the recipe's "
+                                         "prefetch_shards).")] = False,
     resume: o.Resume = False,
     smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     token: o.Token = None,
@@ -77,7 +78,7 @@ def recipe_run(
     """Run one recipe: pull-and-quantize -> verify -> smoke -> upload."""
     path = find_recipe(path)
     recipe = load_recipe(path)
-    console.print("mtpconvert " + " ".join(recipe.cli_args()), highlight=False)
+    console.print("mtpconvert " + " ".join(recipe.cli_args(stream=stream and not dry_run)), highlight=False)
     if dry_run:
         print_pull_plan(api.pull_plan(recipe.repo, recipe.options, revision=recipe.revision, token=token), False)
         return

@@ -271,8 +271,19 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
             else:
                 finish_write()
 
+        item_files: dict = {}  # item name -> the source files it reads
         try:
             for block in blocks:
+                files = item_files.get(block.item.name)
+                if files is None:
+                    files = item_files[block.item.name] = {ckpt.tensors[s.key].file for s in block.item.sources}
+                if not all(reader.admits(f) for f in files):
+                    # a streamed shard over the raw-shard budget: finish the blocks in flight, whose
+                    # last items release the shards they read (--prefetch-shards 0: one at a time)
+                    t = time.perf_counter()
+                    while queued or computing or writing:
+                        advance()
+                    PROFILE["main: drains for the raw-shard budget"] += time.perf_counter() - t
                 if quantizers is not None and quantized_in_numpy(block.item):
                     while not quantizers.has_free_slot():  # every slot holds a result not yet written
                         advance()

@@ -168,7 +168,7 @@ def execute(
             copy_sidecars(ckpt.root, folder, plan.options.keep_vision)
         except OSError as e:
             raise describe_os_error(e, out) from e
-        reader = TensorReader(stream.ensure, stream.release) if stream else TensorReader()
+        reader = TensorReader(stream.ensure, stream.release, stream.admits) if stream else TensorReader()
         streams = compute_streams(workers)
         position = 0
 

@@ -8,6 +8,10 @@ written, the shard is deleted. The next shard (in first-use order) is prefetched
 background only while fewer than ``keep`` downloaded shards are on disk, so raw data on disk
 never exceeds the ``keep`` largest shards, unless one item reads from more than ``keep``
 shards at once (then exactly those are present).
+
+``keep`` is ``1 + prefetch_shards`` (``--prefetch-shards``): 1 (the default) downloads the next
+shard while one converts; 0 holds one raw shard at a time, each download starting when the
+previous shard is deleted (no overlap of download and conversion).
 """
 
 from __future__ import annotations
@@ -17,7 +21,18 @@ import threading
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from ..errors import ConvertError
+from ..errors import ConvertError, OptionsError
+
+DEFAULT_PREFETCH_SHARDS = 1  # raw shards downloaded ahead of the one being read
+
+
+def shards_held(prefetch_shards: int) -> int:
+    """Raw shards a stream may hold at once for ``--prefetch-shards N``: the one read, plus N ahead."""
+    if isinstance(prefetch_shards, bool) or not isinstance(prefetch_shards, int) or prefetch_shards < 0:
+        raise OptionsError(f"--prefetch-shards must be 0 or more, not {prefetch_shards!r}",
+                           hint="0: one raw shard on disk at a time; 1 (default): the next one downloads while "
+                           "one converts")
+    return 1 + prefetch_shards
 
 
 class ShardStream:
@@ -55,6 +70,14 @@ class ShardStream:
             if stub in self._errors:
                 raise self._errors.pop(stub)
             self._prefetch()
+
+    def admits(self, stub: Path) -> bool:
+        """Whether reading ``stub`` now keeps within ``keep`` raw shards: it is here or on its way,
+        or fewer than ``keep`` are. When not, the reader finishes the items in flight first (their
+        last use releases shards) and then reads it anyway: an item may need more shards than ``keep``."""
+        with self._lock:
+            state = self._state.get(stub)
+            return state is None or state in ("fetching", "ready") or self._held() < self.keep
 
     def release(self, stub: Path) -> None:
         """The last item reading ``stub`` is written: delete the shard, maybe fetch the next."""

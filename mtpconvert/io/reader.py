@@ -44,13 +44,19 @@ class TensorReader:
 
     ``on_open(file)`` runs before a file is first mapped (a streamed shard is fetched
     there) and ``on_release(file)`` after it is unmapped for good (a streamed shard is
-    deleted there).
+    deleted there). ``admits(file)`` says whether opening ``file`` now stays within the
+    stream's budget of raw shards (False: finish what is in flight first, so that the
+    shards it reads are released).
     """
 
     def __init__(self, on_open: Optional[Callable[[Path], None]] = None,
-                 on_release: Optional[Callable[[Path], None]] = None):
+                 on_release: Optional[Callable[[Path], None]] = None,
+                 admits: Optional[Callable[[Path], bool]] = None):
         self._maps: Dict[Path, Tuple[object, mmap.mmap]] = {}
-        self._on_open, self._on_release = on_open, on_release
+        self._on_open, self._on_release, self._admits = on_open, on_release, admits
+
+    def admits(self, file: Path) -> bool:
+        return file in self._maps or self._admits is None or self._admits(file)
 
     def read(self, info: TensorInfo) -> mx.array:
         return self.read_rows(info, 0, leading_rows(info.shape))
