@@ -52,6 +52,8 @@ def test_streamed_equals_the_post_hoc_check_and_releases_shards_in_order(tmp_pat
     assert not (out / SMOKE_DIR).exists()
     assert (result.agreed, result.compared) == (posthoc.agreed, posthoc.compared)
     assert result.backbone_next == posthoc.backbone_next and result.head_next == posthoc.head_next
+    assert result.head_next_without_mlp == posthoc.head_next_without_mlp
+    assert result.mlp_gain_paired == posthoc.mlp_gain_paired
     assert result.compared > 100 and result.ok
 
 
