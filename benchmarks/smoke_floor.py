@@ -1,10 +1,11 @@
 """`smoke` (its own prompts, 48 greedy tokens) on correct and broken conversions of the text fixtures.
 
-The data behind the smoke floor (docs/runtime.md, "The smoke floor"): the lowest-accepting correct
-conversion against the broken ones of tools/broken_heads.py, plus the layerwise check's
-teacher-forced acceptance of each folder (docs/smoke.md).
+The data behind the smoke floors (docs/runtime.md, "The smoke floor"): every precision's correct
+conversion against the broken ones of tools/broken_heads.py, each scored by the decoding smoke and the
+layerwise check (docs/smoke.md): acceptance, the head's MLP gain (runtime/mlp_gain.py) with its 95%
+interval, and each check's verdict.
 
-    python benchmarks/smoke_floor.py [--work DIR] [--json OUT]
+    python benchmarks/smoke_floor.py [--work DIR] [--json OUT] [--only LABEL ...]
 """
 
 from __future__ import annotations
