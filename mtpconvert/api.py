@@ -267,7 +267,7 @@ def _publisher(publish: dict, out: Path, token: Optional[str], plan_: Plan, chec
     consumer = None
     if smoke and checks.smoke_mode != "full":
         consumer = StreamedLayerwise(index_json(plan_)["weight_map"], prompts=checks.prompts,
-                                     min_acceptance=checks.floor_for("layerwise"))
+                                     min_acceptance=checks.floor_for("layerwise"), min_mlp_gain=checks.min_mlp_gain)
     return ShardPublisher(publish["repo_id"], _partial(out.absolute()), token=token, private=publish["private"],
                           keep_files=smoke and consumer is None, consumer=consumer)
 
@@ -332,7 +332,7 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
 
 
 def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, private: bool = False,
-           checks: Checks = Checks(min_acceptance=0.0), record: Optional[CheckRecord] = None,
+           checks: Checks = Checks(min_acceptance=0.0, min_mlp_gain=None), record: Optional[CheckRecord] = None,
            events: Optional[Events] = None, base_model: Optional[str] = None) -> str:
     """Verify a folder, make its model card, upload both in one commit; return the commit URL.
 
@@ -347,7 +347,7 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
     if record.verify is None or record.smoke is None:
         report = verify(folder)
         run_checks(folder, Checks(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
-                                  min_acceptance=checks.min_acceptance),
+                                  min_acceptance=checks.min_acceptance, min_mlp_gain=checks.min_mlp_gain),
                    record, has_mtp=report.mtp_layers_config > 0, on_stage=events.stage)
     card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
                       base_model=base_model)

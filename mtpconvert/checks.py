@@ -10,8 +10,11 @@ acceptance, in one of two ways:
   (``runtime.layerwise``), when they do not: a 27B-397B conversion on a 16 GB runner.
 
 ``auto`` decides from the weight bytes against the available memory. Either way the gate
-is acceptance above the floor; greedy token identity is reported, never failed. A failure
-raises ``CheckFailed`` (the finished shards stay in the partial folder).
+is acceptance above the floor and the head's MLP gain (``runtime.mlp_gain``: acceptance with
+the head layer's MLP minus without it) above its own floor, which catches a head whose MLP
+weights are scrambled (experts misordered) when its acceptance alone cannot; greedy token
+identity is reported, never failed. A failure raises ``CheckFailed`` (the finished shards stay
+in the partial folder).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 from .errors import ConvertError, OptionsError
+from .runtime.mlp_gain import DEFAULT_MIN_MLP_GAIN as MLP_GAIN_FLOOR
 from .verify import ERROR, Report, verify
 
 DEFAULT_MIN_ACCEPTANCE = 0.40  # the decoding smoke's floor: runtime/smoke.py says where it comes from
@@ -44,6 +48,7 @@ class Checks:
     min_acceptance: Optional[float] = None  # None: the floor of the smoke that runs (floor_for)
     smoke_mode: str = "auto"
     prompts: Optional[Tuple[str, ...]] = None
+    min_mlp_gain: Optional[float] = MLP_GAIN_FLOOR  # None: the MLP gain is reported, not gated
 
     def floor_for(self, mode: str) -> float:
         """The acceptance floor of a smoke mode: the one given, else that mode's own. Teacher-forced
@@ -132,9 +137,17 @@ def choose_smoke(folder: Path, requested: str = "auto") -> SmokeChoice:
     return SmokeChoice(mode, f"the model ({_gib(weights)} of weights) {fits} in {_gib(available)} available")
 
 
-def _smoke_failed(acceptance: float, min_acceptance: float, how: str, folder: Path) -> CheckFailed:
-    return CheckFailed(f"MTP smoke test failed ({how}): greedy draft acceptance {acceptance:.1%} < "
-                       f"{min_acceptance:.0%}", file=folder,
+def smoke_failure(result, how: str, folder: Path) -> CheckFailed:
+    """The ``CheckFailed`` of a smoke result that is not ok: below the acceptance floor, or a head
+    whose MLP does not help its drafts (``result``: a ``SmokeResult`` or ``LayerwiseResult``)."""
+    why = []
+    if not result.acceptance_ok:
+        why.append(f"greedy draft acceptance {result.acceptance:.1%} < {result.min_acceptance:.0%}")
+    if not result.mlp_ok:
+        g = result.mlp_gain_paired
+        why.append(f"the head's MLP gain {g.gain:+.1%} (95% CI {g.low:+.1%} to {g.high:+.1%}, {g.positions} "
+                   f"positions) < {result.min_mlp_gain:+.0%}: drafts are no better with its MLP than without")
+    return CheckFailed(f"MTP smoke test failed ({how}): " + "; ".join(why), file=folder,
                        hint="the head is converted wrongly (use --no-smoke to keep it anyway)")
 
 
@@ -144,9 +157,9 @@ def smoke_full(folder: Path, checks: Checks, on_stage: Callable[[str], None]):
 
     on_stage("MTP smoke test (greedy draft/verify decoding, whole model loaded)")
     floor = checks.floor_for("full")
-    result = smoke(folder, checks.prompts, min_acceptance=floor)
+    result = smoke(folder, checks.prompts, min_acceptance=floor, min_mlp_gain=checks.min_mlp_gain)
     if not result.ok:
-        raise _smoke_failed(result.acceptance, floor, "full", folder)
+        raise smoke_failure(result, "full", folder)
     return result
 
 
@@ -157,9 +170,10 @@ def smoke_layerwise(folder: Path, checks: Checks, on_stage: Callable[[str], None
     on_stage("MTP smoke test (layerwise: teacher-forced, one layer in memory at a time)")
     coarse = lambda msg: on_stage(f"layerwise smoke: {msg}") if not msg.startswith("lm_head rows") else None  # noqa: E731
     floor = checks.floor_for("layerwise")
-    result = layerwise_acceptance(folder, checks.prompts, min_acceptance=floor, progress=coarse)
+    result = layerwise_acceptance(folder, checks.prompts, min_acceptance=floor, min_mlp_gain=checks.min_mlp_gain,
+                                  progress=coarse)
     if not result.ok:
-        raise _smoke_failed(result.acceptance, floor, "layerwise, teacher-forced", folder)
+        raise smoke_failure(result, "layerwise, teacher-forced", folder)
     return result
 
 
@@ -167,17 +181,16 @@ def smoke_streamed(streamed, checks: Checks, on_stage: Callable[[str], None]):
     """The layerwise smoke that was fed each output shard as it was written (``runtime.streamed``):
     only the head and lm_head are left to run."""
     on_stage("MTP smoke test (layerwise, fed shard by shard: the head and lm_head)")
-    floor = checks.floor_for("layerwise")
     result = streamed.finish()
     if not result.ok:
-        raise _smoke_failed(result.acceptance, floor, "layerwise, teacher-forced, streamed", result.path)
+        raise smoke_failure(result, "layerwise, teacher-forced, streamed", result.path)
     return result
 
 
 def smoke_folder(folder: Path, checks: Checks, record: CheckRecord,
                  on_stage: Callable[[str], None] = lambda s: None):
     """The smoke ``checks.smoke_mode`` asks for (auto: whichever fits); raise ``CheckFailed``
-    when the head's acceptance is below the floor. ``record`` says which ran and why."""
+    when the head's acceptance or its MLP gain is below its floor. ``record`` says which ran and why."""
     choice = choose_smoke(folder, checks.smoke_mode)
     record.smoke_mode, record.smoke_reason = choice.mode, choice.reason
     run = smoke_full if choice.mode == "full" else smoke_layerwise

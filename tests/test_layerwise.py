@@ -106,6 +106,7 @@ def test_layerwise_predictions_equal_the_loaded_model(folders, variant):
     ref = reference(path, ids)
     assert lw.backbone_next == ref.backbone_next
     assert lw.head_next == ref.head_next
+    assert lw.head_next_without_mlp == ref.head_next_without_mlp  # the MLP gain's second pass, too
     assert lw.acceptance == ref.acceptance and lw.compared == sum(len(i) - 1 for i in ids)
     assert lw.acceptance >= 0.9 and lw.ok  # a correct head on the fixture: ~97-99% teacher-forced
     assert lw.head_source == "sidecar"

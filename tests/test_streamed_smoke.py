@@ -52,7 +52,10 @@ def test_streamed_equals_the_post_hoc_check_and_releases_shards_in_order(tmp_pat
     assert not (out / SMOKE_DIR).exists()
     assert (result.agreed, result.compared) == (posthoc.agreed, posthoc.compared)
     assert result.backbone_next == posthoc.backbone_next and result.head_next == posthoc.head_next
-    assert result.compared > 100 and result.ok
+    assert result.head_next_without_mlp == posthoc.head_next_without_mlp
+    assert result.mlp_gain_paired == posthoc.mlp_gain_paired
+    # acceptance only: the MLP gain over 141 positions (48-token prompts) is too noisy to gate on here
+    assert result.compared > 100 and result.acceptance_ok
 
 
 def test_feed_order_is_free_but_holds_shards_until_their_layers_ran(tmp_path):

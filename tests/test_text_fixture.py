@@ -2,13 +2,16 @@
 
 Correct conversions of every MTP precision pass ``smoke`` with its default prompts and floor;
 broken ones (head norms without +1, fc halves swapped, MoE experts reversed, head dropped) fail
-it. Numbers and the floor's choice: docs/runtime.md ("Acceptance on the text fixtures").
+it by acceptance, and the MoE head's experts alone reversed fails it by MLP gain (the head drafts
+no better with its MLP than without). Numbers and the floors' choice: docs/runtime.md ("Acceptance
+on the text fixtures", "The smoke floor").
 """
 
 import pytest
 
 from broken_heads import break_folder
 from checkpoints import convert_folder
+from mtpconvert.checks import CheckFailed, CheckRecord, Checks, smoke_folder
 from mtpconvert.errors import LayoutError
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.load import load
@@ -51,6 +54,7 @@ def test_text_fixture_verifies(variant):
 def test_correct_heads_pass_smoke(converted, variant, quant):
     result = smoke(converted(variant, **quant))
     assert result.identical and result.acceptance >= DEFAULT_MIN_ACCEPTANCE, result.to_json()
+    assert result.mlp_ok and result.ok, result.to_json()
 
 
 @pytest.mark.parametrize("variant,edit", [
@@ -64,6 +68,26 @@ def test_broken_heads_fail_smoke(converted, tmp_path, variant, edit):
     assert break_folder(converted(variant), broken, src, edit) > 0
     result = smoke(broken)
     assert result.identical and not result.ok and result.acceptance < DEFAULT_MIN_ACCEPTANCE, result.to_json()
+
+
+@pytest.mark.parametrize("mode", ["auto", "layerwise"])
+def test_head_only_expert_reversal_fails_the_default_check_by_mlp_gain(converted, tmp_path, mode):
+    """Its acceptance stays above the floor (the small head's MLP carries ~8 points), its MLP gain
+    does not: the default post-check (auto picks the full smoke here) and the layerwise one refuse it."""
+    broken = tmp_path / "mtp_experts_rev"
+    assert break_folder(converted("moe"), broken, text_fixture_path("moe"), "mtp_experts_rev") > 0
+    record = CheckRecord()
+    with pytest.raises(CheckFailed, match="MLP gain") as failed:
+        smoke_folder(broken, Checks(smoke_mode=mode), record)
+    assert "greedy draft acceptance" not in str(failed.value), failed.value  # the MLP gain alone fails it
+    if mode == "auto":  # the fixture fits in memory: the decoding smoke, as convert runs it
+        assert record.smoke_mode == "full"
+
+
+def test_correct_moe_head_passes_the_default_check(converted):
+    record = CheckRecord()
+    result = smoke_folder(converted("moe"), Checks(smoke_mode="layerwise"), record)
+    assert result.ok and result.mlp_gain_paired.gain >= result.min_mlp_gain, result.to_json()
 
 
 def test_dropped_head_is_refused(tmp_path):

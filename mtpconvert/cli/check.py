@@ -49,14 +49,25 @@ def print_smoke(result, to: Console) -> None:
     same = "identical to plain greedy" if result.identical else (
         "[yellow]differs from plain greedy[/yellow] at " + "; ".join(map(divergence_text, result.divergences)))
     to.print(f"MTP draft acceptance ({result.hidden}): {acc}/{prop} = {result.acceptance:.1%} "
-             f"(floor {result.min_acceptance:.0%}), {result.mtp.tokens_per_step:.2f} tokens/step, output {same} "
-             f"{status}", highlight=False)
+             f"(floor {result.min_acceptance:.0%}), {result.mtp.tokens_per_step:.2f} tokens/step, output {same}"
+             f"{mlp_gain_text(result)} {status}", highlight=False)
+
+
+def mlp_gain_text(result) -> str:
+    """``, MLP gain +8.6 points [...]``: the head's acceptance with its MLP minus without it (empty when not measured)."""
+    g = result.mlp_gain_paired
+    if g is None:
+        return ""
+    floor = "not gated" if result.min_mlp_gain is None else f"floor {result.min_mlp_gain * 100:+.0f}"
+    return (f", MLP gain {g.gain * 100:+.1f} points (95% CI {g.low * 100:+.1f} to {g.high * 100:+.1f} over "
+            f"{g.positions} positions; {floor})")
 
 
 def print_layerwise(result, to: Console) -> None:
     status = "[green]pass[/green]" if result.ok else "[red]FAIL[/red]"
     to.print(f"MTP draft acceptance (layerwise, teacher-forced, {result.hidden}): {result.agreed}/{result.compared} "
-             f"= {result.acceptance:.1%} (floor {result.min_acceptance:.0%}) in {result.seconds:.0f} s {status}",
+             f"= {result.acceptance:.1%} (floor {result.min_acceptance:.0%}){mlp_gain_text(result)} in "
+             f"{result.seconds:.0f} s {status}",
              highlight=False)
 
 

@@ -64,6 +64,7 @@ from ..errors import LayoutError
 from ..io.header import TensorInfo, read_header
 from ..io.reader import TensorReader
 from .locate import HEAD_PREFIXES, MTP_FILE, HeadTensors, locate_mtp, shard_files
+from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain, matches, mlp_removed, paired_gain
 from .mtp import MTPHead, stack_experts
 
 # Teacher-forced acceptance on the prompt text is not decoding acceptance: correct text-fixture heads
@@ -194,9 +195,11 @@ class LayerwiseResult:
     exact: bool
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
     compute_dtype: str = ""
+    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN  # None: reported, not gated
     per_prompt: List[Tuple[int, int]] = field(default_factory=list)  # (agreed, compared)
     backbone_next: List[List[int]] = field(default_factory=list)  # backbone argmax at positions 1..L-1
     head_next: List[List[int]] = field(default_factory=list)  # head argmax at positions 0..L-2
+    head_next_without_mlp: List[List[int]] = field(default_factory=list)  # the same, head layer's MLP removed
     prompt_tokens: List[int] = field(default_factory=list)
     stages: List[Tuple[str, int]] = field(default_factory=list)  # (stage, weight bytes resident)
     seconds: float = 0.0
@@ -217,8 +220,29 @@ class LayerwiseResult:
         return self.agreed / self.compared if self.compared else 0.0
 
     @property
-    def ok(self) -> bool:
+    def mlp_gain_paired(self) -> PairedGain:
+        """The head's acceptance with its MLP minus without it, over the same positions (``runtime.mlp_gain``)."""
+        intact, removed = [], []
+        for bb, hd, hd0 in zip(self.backbone_next, self.head_next, self.head_next_without_mlp):
+            intact += matches(bb, hd)
+            removed += matches(bb, hd0)
+        return paired_gain(intact, removed)
+
+    @property
+    def mlp_gain(self) -> float:
+        return self.mlp_gain_paired.gain
+
+    @property
+    def mlp_ok(self) -> bool:
+        return self.min_mlp_gain is None or self.mlp_gain >= self.min_mlp_gain
+
+    @property
+    def acceptance_ok(self) -> bool:
         return self.compared > 0 and self.acceptance >= self.min_acceptance
+
+    @property
+    def ok(self) -> bool:
+        return self.acceptance_ok and self.mlp_ok
 
     @property
     def largest_stage_bytes(self) -> int:
@@ -238,6 +262,8 @@ class LayerwiseResult:
             "per_prompt": [round(a / n, 4) if n else None for a, n in self.per_prompt],
             "prompt_tokens": self.prompt_tokens,
             "min_acceptance": self.min_acceptance,
+            **self.mlp_gain_paired.to_json(),
+            "min_mlp_gain": self.min_mlp_gain,
             "ok": self.ok,
             "seconds": round(self.seconds, 2),
             "read_bytes": self.read_bytes,
@@ -619,6 +645,17 @@ def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
     return head
 
 
+def head_states(head: MTPHead, hidden: mx.array, next_embeddings: mx.array) -> Tuple[mx.array, mx.array]:
+    """The head's first-layer states over every position (fresh KV cache), intact and with that
+    layer's MLP removed (``runtime.mlp_gain``): the second costs one more pass of one layer."""
+    intact = head(hidden, next_embeddings, cache=head.make_cache())
+    mx.eval(intact)
+    with mlp_removed(head.layers[0]):
+        removed = head(hidden, next_embeddings, cache=head.make_cache())
+        mx.eval(removed)
+    return intact, removed
+
+
 def _default_exact() -> bool:
     return mx.default_device() != mx.cpu
 
@@ -665,7 +702,8 @@ class TeacherForcedPass:
 
     def __init__(self, folder: _Folder, token_ids: List[List[int]], *, hidden: str = "post-norm",
                  min_acceptance: float = DEFAULT_MIN_ACCEPTANCE, exact: Optional[bool] = None,
-                 compute_dtype: Optional[str] = None, progress: Optional[Callable[[str], None]] = None):
+                 compute_dtype: Optional[str] = None, progress: Optional[Callable[[str], None]] = None,
+                 min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN):
         if hidden not in ("post-norm", "pre-norm"):
             raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
         self.folder, self.token_ids, self.hidden = folder, token_ids, hidden
@@ -673,7 +711,7 @@ class TeacherForcedPass:
         self.compute_dtype = compute_dtype
         self.progress = progress or (lambda msg: None)
         self.result = LayerwiseResult(str(folder.path), hidden, "", self.exact, min_acceptance,
-                                      prompt_tokens=[len(t) for t in token_ids])
+                                      min_mlp_gain=min_mlp_gain, prompt_tokens=[len(t) for t in token_ids])
         self.next_layer = 0  # the layer run_layer runs next
         self.xs: Optional[List[mx.array]] = None  # hidden states after layer next_layer - 1
         self.nexts: Optional[List[mx.array]] = None  # embed(token t+1), the head's second input
@@ -747,20 +785,19 @@ class TeacherForcedPass:
         feed = hs if self.hidden == "post-norm" else self.xs
         states = []
         for p in range(len(self.token_ids)):
-            s = head(feed[p][:, :-1], self.nexts[p], cache=head.make_cache())
-            mx.eval(s)
-            states.append(s)
+            states.append(head_states(head, feed[p][:, :-1], self.nexts[p]))
         del head, feed
         self.xs = self.nexts = None
         gc.collect()
         mx.clear_cache()
 
-        ids, block = _run_lm_head_blocks(folder, [[h, s] for h, s in zip(hs, states)], self.exact, self.dtype,
+        ids, block = _run_lm_head_blocks(folder, [[h, *s] for h, s in zip(hs, states)], self.exact, self.dtype,
                                          vocab_block_bytes, self.progress)
         result.stages.append(("lm_head block", block))
-        for bb, hd in ids:
+        for bb, hd, hd0 in ids:
             result.backbone_next.append(bb[1:])
             result.head_next.append(hd)
+            result.head_next_without_mlp.append(hd0)
             result.per_prompt.append(agreement(bb[1:], hd))
         result.read_bytes = folder.read_bytes
         result.seconds += time.perf_counter() - t0
@@ -781,6 +818,7 @@ def layerwise_acceptance(
     vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES,
     compute_dtype: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
+    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN,
 ) -> LayerwiseResult:
     """Teacher-forced greedy MTP acceptance of ``path``, one layer resident at a time.
 
@@ -788,7 +826,8 @@ def layerwise_acceptance(
     module docstring (None: stock quantized kernels off the CPU, dequantized Linears on it).
     ``compute_dtype`` (only without ``exact``): "float32" runs the activations and the dequantized
     matmuls in float32; None picks it on the CPU when its float32 GEMM is faster
-    (``fast_float_dtype``), else keeps the model's dtype.
+    (``fast_float_dtype``), else keeps the model's dtype. ``min_mlp_gain``: the floor of the head's
+    MLP gain (``runtime.mlp_gain``; None: reported, not gated).
     """
     if hidden not in ("post-norm", "pre-norm"):
         raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
@@ -799,7 +838,7 @@ def layerwise_acceptance(
         head_tensors = require_head(path, folder.config, locate_mtp(path, folder.headers))
         ids = prompt_token_ids(path, prompts, token_ids, max_prompt_tokens)
         run = TeacherForcedPass(folder, ids, hidden=hidden, min_acceptance=min_acceptance, exact=exact,
-                                compute_dtype=compute_dtype, progress=progress)
+                                compute_dtype=compute_dtype, progress=progress, min_mlp_gain=min_mlp_gain)
         run.embed()
         while run.next_layer < run.layers:
             run.run_layer()
@@ -822,11 +861,12 @@ def peak_rss_bytes() -> int:
 
 
 def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "post-norm",
-                        min_acceptance: float = DEFAULT_MIN_ACCEPTANCE) -> LayerwiseResult:
+                        min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
+                        min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN) -> LayerwiseResult:
     """``m``: a ``runtime.load.MTPModel``. Uses the stock forward of mlx-lm's text model."""
     from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-    result = LayerwiseResult("", hidden, "loaded", True, min_acceptance)
+    result = LayerwiseResult("", hidden, "loaded", True, min_acceptance, min_mlp_gain=min_mlp_gain)
     inner = m.lm.model
     for ids in token_ids:
         if len(ids) < 2:
@@ -838,12 +878,13 @@ def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "po
             x = layer(x, mask=mask, cache=None)
         h = inner.norm(x)
         feed = h if hidden == "post-norm" else x
-        s = m.head(feed[:, :-1], m.embed(tokens[:, 1:]), cache=m.head.make_cache())
+        s, s0 = head_states(m.head, feed[:, :-1], m.embed(tokens[:, 1:]))
         bb = mx.argmax(m.logits(h), axis=-1).reshape(-1).tolist()[1:]
         hd = mx.argmax(m.logits(s), axis=-1).reshape(-1).tolist()
         result.prompt_tokens.append(len(ids))
         result.backbone_next.append(bb)
         result.head_next.append(hd)
+        result.head_next_without_mlp.append(mx.argmax(m.logits(s0), axis=-1).reshape(-1).tolist())
         result.per_prompt.append(agreement(bb, hd))
     return result
 
@@ -856,6 +897,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable)")
     ap.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
     ap.add_argument("--min-acceptance", type=float, default=DEFAULT_MIN_ACCEPTANCE)
+    ap.add_argument("--min-mlp-gain", type=float, default=DEFAULT_MIN_MLP_GAIN,
+                    help="floor of the head's acceptance with its MLP minus without it (docs/runtime.md)")
     ap.add_argument("--mtp-hidden", choices=["post-norm", "pre-norm"], default="post-norm")
     ap.add_argument("--exact", action="store_true", default=None,
                     help="stock quantized kernels everywhere (bit-identical to the loaded model; slow on the CPU)")
@@ -868,7 +911,8 @@ def main(argv=None) -> int:
                                                                    file=sys.stderr, flush=True))
     r = layerwise_acceptance(args.path, args.prompt, max_prompt_tokens=args.max_prompt_tokens,
                              hidden=args.mtp_hidden, min_acceptance=args.min_acceptance, exact=args.exact,
-                             compute_dtype=args.compute_dtype, vocab_block_bytes=int(args.vocab_block_mb * 2**20), progress=say)
+                             compute_dtype=args.compute_dtype, vocab_block_bytes=int(args.vocab_block_mb * 2**20), progress=say,
+                             min_mlp_gain=args.min_mlp_gain)
     print(json.dumps(r.to_json()))
     return 0 if r.ok else 1
 

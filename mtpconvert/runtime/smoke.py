@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from .load import MTPModel, load
+from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain
 from .speculative import DecodeStats, mtp_generate, plain_generate
 
 DEFAULT_PROMPTS = (
@@ -58,6 +59,8 @@ class SmokeResult:
     plain: DecodeStats = field(default_factory=DecodeStats)
     per_prompt: List[float] = field(default_factory=list)
     divergences: List[Divergence] = field(default_factory=list)
+    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN  # None: reported, not gated
+    mlp_gain_paired: Optional[PairedGain] = None  # teacher-forced over each prompt and its plain decode
 
     @property
     def acceptance(self) -> float:
@@ -73,8 +76,20 @@ class SmokeResult:
         return not self.divergences
 
     @property
-    def ok(self) -> bool:
+    def mlp_gain(self) -> Optional[float]:
+        return None if self.mlp_gain_paired is None else self.mlp_gain_paired.gain
+
+    @property
+    def acceptance_ok(self) -> bool:
         return self.acceptance >= self.min_acceptance
+
+    @property
+    def mlp_ok(self) -> bool:
+        return self.min_mlp_gain is None or self.mlp_gain is None or self.mlp_gain >= self.min_mlp_gain
+
+    @property
+    def ok(self) -> bool:
+        return self.acceptance_ok and self.mlp_ok
 
     def to_json(self) -> dict:
         return {
@@ -88,6 +103,8 @@ class SmokeResult:
             "mismatched_prompts": self.mismatched_prompts,
             "divergences": [d.to_json() for d in self.divergences],
             "min_acceptance": self.min_acceptance,
+            **(self.mlp_gain_paired.to_json() if self.mlp_gain_paired is not None else {}),
+            "min_mlp_gain": self.min_mlp_gain,
             "ok": self.ok,
         }
 
@@ -131,11 +148,14 @@ def smoke(
     hidden: str = "post-norm",
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
     model: Optional[MTPModel] = None,
+    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN,
 ) -> SmokeResult:
     m = model or load(path)
-    result = SmokeResult(str(path), hidden, min_acceptance=min_acceptance)
+    result = SmokeResult(str(path), hidden, min_acceptance=min_acceptance, min_mlp_gain=min_mlp_gain)
+    decoded = []
     for i, ids in enumerate(encode_prompts(path, prompts)):
         plain, ps = plain_generate(m, ids, max_tokens)
+        decoded.append(list(ids) + plain)
         spec, ms = mtp_generate(m, ids, max_tokens, hidden=hidden)
         result.plain.add(ps)
         result.mtp.add(ms)
@@ -143,4 +163,13 @@ def smoke(
         found = divergence(m, i, ids, plain, spec)
         if found is not None:
             result.divergences.append(found)
+    result.mlp_gain_paired = teacher_forced_mlp_gain(m, decoded, hidden)
     return result
+
+
+def teacher_forced_mlp_gain(m: MTPModel, sequences: Sequence[Sequence[int]], hidden: str) -> PairedGain:
+    """The head's MLP gain (``runtime.mlp_gain``) teacher-forced over ``sequences``: each prompt
+    followed by its plain greedy decode, so the positions are the ones the decode drafted at."""
+    from .layerwise import teacher_forced_full
+
+    return teacher_forced_full(m, sequences, hidden).mlp_gain_paired

@@ -32,6 +32,7 @@ from ..io.header import read_header
 from .layerwise import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MIN_ACCEPTANCE,
+    DEFAULT_MIN_MLP_GAIN,
     DEFAULT_VOCAB_BLOCK_BYTES,
     LayerwiseResult,
     TeacherForcedPass,
@@ -96,11 +97,12 @@ class StreamedLayerwise:
                  max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, hidden: str = "post-norm",
                  min_acceptance: float = DEFAULT_MIN_ACCEPTANCE, exact: Optional[bool] = None,
                  compute_dtype: Optional[str] = None, vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES,
-                 progress: Optional[Callable[[str], None]] = None):
+                 progress: Optional[Callable[[str], None]] = None,
+                 min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN):
         self.units = shards_by_unit(weight_map)
         self.prompt_args = (prompts, token_ids, max_prompt_tokens)
         self.pass_args = dict(hidden=hidden, min_acceptance=min_acceptance, exact=exact,
-                              compute_dtype=compute_dtype, progress=progress)
+                              compute_dtype=compute_dtype, progress=progress, min_mlp_gain=min_mlp_gain)
         self.vocab_block_bytes = vocab_block_bytes
         self.folder: Optional[_Folder] = None
         self.run: Optional[TeacherForcedPass] = None
