@@ -32,10 +32,9 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 
 from .load import MTPModel
-from .rollback import enable_rollback
 from .rowcache import RowKVCache, make_row_cache, undo_rows
 from .sampling import Sampling, accept_drafts, categorical
-from .speculative import DecodeStats, backbone_forward
+from .speculative import DecodeStats, backbone_forward, prepare_speculative
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (history tokens, logits [1, V])
 
@@ -120,13 +119,7 @@ class BatchedMTP:
     """The batch: its streams, one set of row caches, and ``step``."""
 
     def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm"):
-        if depth < 1:
-            raise ValueError("depth must be >= 1")
-        if hidden not in ("post-norm", "pre-norm"):
-            raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
-        if len(m.head.layers) != 1:
-            raise ValueError("speculative decoding supports one MTP layer (every Qwen3.5/3.6 release has one)")
-        enable_rollback(m.model)
+        prepare_speculative(m, depth, hidden)
         self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
         self.streams: List[Stream] = []
         self.ids: List[int] = []  # caller's id of each row

@@ -154,12 +154,9 @@ def plain_generate(
     return out, stats
 
 
-def mtp_generate(
-    m: MTPModel, prompt: Sequence[int], max_tokens: int, depth: int = 1, sampling: Sampling = Sampling(),
-    hidden: str = "post-norm", seed: Optional[int] = None, eos: Sequence[int] = (),
-    on_tokens: Optional[Callable[[int], None]] = None, check_offsets: bool = False, overlap: bool = False,
-):
-    """Speculative decode with the MTP head. Returns (tokens, stats); see the module doc."""
+def prepare_speculative(m: MTPModel, depth: int, hidden: str) -> None:
+    """Refuse settings no decode can run with, and give the backbone's linear-attention layers
+    their recording forward (idempotent)."""
     if depth < 1:
         raise ValueError("depth must be >= 1")
     if hidden not in ("post-norm", "pre-norm"):
@@ -167,6 +164,15 @@ def mtp_generate(
     if len(m.head.layers) != 1:
         raise ValueError("speculative decoding supports one MTP layer (every Qwen3.5/3.6 release has one)")
     enable_rollback(m.model)
+
+
+def mtp_generate(
+    m: MTPModel, prompt: Sequence[int], max_tokens: int, depth: int = 1, sampling: Sampling = Sampling(),
+    hidden: str = "post-norm", seed: Optional[int] = None, eos: Sequence[int] = (),
+    on_tokens: Optional[Callable[[int], None]] = None, check_offsets: bool = False, overlap: bool = False,
+):
+    """Speculative decode with the MTP head. Returns (tokens, stats); see the module doc."""
+    prepare_speculative(m, depth, hidden)
     keys = _seed_keys(seed)
     stats = DecodeStats(depth=depth, prompt_tokens=len(prompt), proposed=[0] * depth, accepted=[0] * depth)
     cache = make_rollback_cache(m.model, max_pass=depth + 1)
