@@ -203,7 +203,7 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
         events.download(0, pulled.total_bytes or None)
         folder = pull.download(pulled, token=token, cache=Path(cache_dir) if cache_dir else None, local_dir=local,
                                timeout=timeout, on_file=lambda f: events.download(f.size or 0, None))
-        ckpt = open_checkpoint(folder)
+        ckpt = open_checkpoint(folder, absent=pulled.skipped_shards)
         result = _execute(build_plan(ckpt, options), ckpt, out, checks=checks, overwrite=overwrite, resume=resume,
                           events=events, extra_metadata=meta)
     result.source_repo, result.source_revision = repo_id, pulled.sha
@@ -227,7 +227,8 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
     publisher = None
     try:
         events.stage(f"reading {pulled.repo_id} shard headers")
-        ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=token, timeout=timeout))
+        ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=token, timeout=timeout),
+                               absent=pulled.skipped_shards)
         plan_ = build_plan(ckpt, options)
         if publish:
             publisher = _publisher(publish, out, token, plan_, checks)

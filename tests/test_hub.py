@@ -540,3 +540,115 @@ def test_streamed_publish_with_the_full_smoke_keeps_the_shards_until_it_passed(h
     assert all((out / n).read_bytes() == repo.files[n] for n in shards)
     card = repo.files["README.md"].decode()
     assert "| smoke (greedy MTP draft acceptance, depth 1) | not run |" not in card and "%" in card
+
+
+# ------------------------------------------------------------ shards a pull skips (issue #16)
+
+VISION_SHARD = "model.safetensors-00004-of-00005.safetensors"  # reshard(dense-vlm, 5): model.visual.* only
+MTP_SHARD = "model.safetensors-00005-of-00005.safetensors"  # mtp.* only
+SKIP_ARGS = ["--bits", "4", "--group-size", "32", "--no-smoke"]
+
+
+@pytest.fixture()
+def five_shard_vlm(hub, tmp_path, raw_checkpoints):
+    """The VLM fixture in five shards, as Qwen3.6-27B is published: one holds only the vision tower,
+    the last only the MTP head."""
+    src = reshard(raw_checkpoints("dense-vlm").path, tmp_path / "five-vlm", 5)
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {k.split(".")[1] for k, s in weight_map.items() if s == VISION_SHARD} == {"visual"}
+    assert {k.split(".")[0] for k, s in weight_map.items() if s == MTP_SHARD} == {"mtp"}
+    hub.add_folder("Qwen/Five-VLM", src)
+    return src
+
+
+def shard_digests(folder: Path) -> dict:
+    from checkpoints import tree_digest
+
+    return {n: d for n, d in tree_digest(folder).items() if n.endswith(".safetensors")}
+
+
+@pytest.mark.parametrize("mtp", ["keep", "drop"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_pull_converts_without_the_shards_it_skipped(hub, five_shard_vlm, tmp_path, stream, mtp):
+    """A shard holding only dropped tensors (vision; MTP with --mtp drop) is neither fetched nor
+    asked for: the output equals converting the full folder, byte for byte."""
+    from checkpoints import convert_folder
+
+    skipped = {VISION_SHARD} | ({MTP_SHARD} if mtp == "drop" else set())
+    out = tmp_path / "pulled"
+    args = ["pull-and-quantize", "Qwen/Five-VLM", str(out), *SKIP_ARGS, "--mtp", mtp] + (["--stream"] if stream else [])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert not skipped & set(hub.downloaded())
+    plan = convert_folder(five_shard_vlm, tmp_path / "local", bits=4, group_size=32, mtp=mtp)
+    assert shard_digests(out) == shard_digests(tmp_path / "local")
+    assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "local" / "config.json").read_text())
+    assert {r for _, r in plan.dropped} >= {"vision tower (use --keep-vision)"}
+
+
+def test_plan_lists_the_tensors_of_a_skipped_shard_as_dropped(hub, five_shard_vlm, tmp_path):
+    """--dry-run shows the shard under "skip"; the conversion plan of the pulled folder drops its tensors
+    with the reason a vision tensor sharing a shard gets, and reads none of them."""
+    from mtpconvert.hub import pull
+    from mtpconvert.io.checkpoint import open_checkpoint
+    from mtpconvert.plan import build_plan
+
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Five-VLM", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    assert VISION_SHARD in {f["name"] for f in json.loads(result.stdout)["skip"]}
+    pulled = pull.plan_pull("Qwen/Five-VLM")
+    assert pulled.skipped_shards == [VISION_SHARD]
+    folder = pull.download(pulled)
+    ckpt = open_checkpoint(folder, absent=pulled.skipped_shards)
+    assert VISION_SHARD not in ckpt.shards and not any(t.file.name == VISION_SHARD for t in ckpt.tensors.values())
+    full = build_plan(open_checkpoint(five_shard_vlm))
+    assert sorted(build_plan(ckpt).dropped) == sorted(full.dropped)
+    assert {ckpt.absent[k] for k, _ in full.dropped if k in ckpt.absent} == {VISION_SHARD}
+
+
+def test_keep_vision_fetches_the_vision_shard(hub, five_shard_vlm):
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Five-VLM", "--keep-vision", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    assert VISION_SHARD in {f["name"] for f in json.loads(result.stdout)["download"]}
+
+
+def test_convert_still_refuses_a_folder_missing_a_shard(five_shard_vlm, tmp_path):
+    """Only a pull's own choice excuses a shard: one missing from a folder the user gives is an error."""
+    src = tmp_path / "broken"
+    shutil.copytree(five_shard_vlm, src)
+    (src / VISION_SHARD).unlink()
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--bits", "4", "--no-smoke"])
+    assert result.exit_code == 2
+    assert f"index lists shard '{VISION_SHARD}', which is missing" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_absent_shard_holding_a_kept_tensor_is_refused(five_shard_vlm):
+    """open_checkpoint(absent=...) excuses a shard, not the tensors the conversion needs from it."""
+    from mtpconvert.errors import LayoutError
+    from mtpconvert.io.checkpoint import open_checkpoint
+    from mtpconvert.plan import build_plan
+
+    ckpt = open_checkpoint(five_shard_vlm, absent=["model.safetensors-00002-of-00005.safetensors"])
+    with pytest.raises(LayoutError, match="was not fetched") as e:
+        build_plan(ckpt)
+    assert e.value.code == "shard-missing"
+
+
+def test_published_qwen36_27b_vision_shard_is_skipped():
+    """The real case: Qwen3.6-27B puts model.visual.* alone in shard 7 of 15, which a pull skips
+    (and the converter then opens the folder without it, as tested above)."""
+    import layouts
+
+    from mtpconvert.hub.pull import needed_files
+
+    name = "Qwen3.6-27B"
+    weight_map = {key: shard for key, _, _, shard in layouts.rows(name)}
+    vision_only = "model-00007-of-00015.safetensors"
+    assert {k.split(".")[1] for k, s in weight_map.items() if s == vision_only} == {"visual"}
+    index = {"weight_map": weight_map}
+    siblings = {s: 1 for s in set(weight_map.values())} | {"config.json": 1, "model.safetensors.index.json": 1}
+    needed = needed_files(siblings, index, keep_vision=False, keep_mtp=True)
+    assert vision_only not in needed
+    assert set(weight_map.values()) - set(needed) == {vision_only}
+    assert vision_only in needed_files(siblings, index, keep_vision=True, keep_mtp=True)

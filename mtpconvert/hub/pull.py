@@ -35,6 +35,12 @@ class PullPlan:
     def total_bytes(self) -> int:
         return sum(f.size or 0 for f in self.files)
 
+    @property
+    def skipped_shards(self) -> List[str]:
+        """Weight files left out on purpose (every tensor in them is dropped): the opener must not
+        ask for them (``open_checkpoint(absent=...)``)."""
+        return [f.name for f in self.skipped if f.name.endswith(".safetensors")]
+
     def to_json(self) -> dict:
         return {
             "repo_id": self.repo_id, "revision": self.revision, "sha": self.sha,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Collection, Dict, List, Optional
 
 from ..errors import ConfigError, LayoutError, SafetensorsError
 from .header import Header, TensorInfo, read_header
@@ -49,6 +49,9 @@ class Checkpoint:
     tensors: Dict[str, TensorInfo]
     index_map: Optional[Dict[str, str]] = None
     index_metadata: dict = field(default_factory=dict)
+    # index entries whose shard the caller left out on purpose (a pull skips a shard holding only
+    # tensors the conversion drops): key -> shard. Known to exist, never read: no header, no data.
+    absent: Dict[str, str] = field(default_factory=dict)
 
     def shard_of(self, key: str) -> str:
         return self.tensors[key].file.name
@@ -103,7 +106,8 @@ def safe_member(root: Path, name: str, what: str, *, file: Path) -> Path:
     return root / name
 
 
-def list_shards(root: Path, index: Optional[dict]) -> List[str]:
+def list_shards(root: Path, index: Optional[dict], absent: Collection[str] = ()) -> List[str]:
+    """The shards to read: the index's (less ``absent``, which need not exist), else every *.safetensors."""
     index_path = root / INDEX_NAME
     if index is not None:
         weight_map = index.get("weight_map")
@@ -112,6 +116,8 @@ def list_shards(root: Path, index: Optional[dict]) -> List[str]:
         names = sorted(set(weight_map.values()), key=str)
         for n in names:
             safe_member(root, n, "shard", file=index_path)
+        names = [n for n in names if n not in absent]
+        for n in names:
             if not (root / n).is_file():
                 raise LayoutError(
                     f"index lists shard {n!r}, which is missing", file=index_path, code="shard-missing"
@@ -145,14 +151,22 @@ def head_sidecar(root: Path, config: dict, listed: List[str]) -> Optional[str]:
     return name
 
 
-def open_checkpoint(root: Path) -> Checkpoint:
-    """Read config, index and all shard headers of a local folder."""
+def open_checkpoint(root: Path, absent: Collection[str] = ()) -> Checkpoint:
+    """Read config, index and all shard headers of a local folder.
+
+    ``absent``: shard names a pull deliberately did not fetch (``PullPlan.skipped_shards``). The index's
+    entries for them become ``Checkpoint.absent`` instead of a "shard-missing" error, and they are not
+    read even when a file of that name is there (a cache snapshot may hold one from an earlier
+    ``--keep-vision`` pull): what is converted depends on the pull's choice only. A folder given by the
+    user is opened with none, so any shard its index lists must be there.
+    """
     root = Path(root)
     if not root.is_dir():
         raise ConfigError("checkpoint folder does not exist", file=root)
     config = load_json(root / "config.json", "config.json")
     index = load_json(root / INDEX_NAME, "index") if (root / INDEX_NAME).exists() else None
-    shards = list_shards(root, index)
+    absent = frozenset(absent) if index is not None else frozenset()  # without an index every file present is read
+    shards = list_shards(root, index, absent)
     unindexed = []
     if index is not None and (sidecar := head_sidecar(root, config, shards)):
         unindexed = [sidecar]
@@ -173,10 +187,14 @@ def open_checkpoint(root: Path) -> Checkpoint:
             tensors[key] = info
 
     index_map = None
+    absent_keys: Dict[str, str] = {}
     if index is not None:
         index_map = index["weight_map"]
         index_path = root / INDEX_NAME
         for key, shard in index_map.items():
+            if shard in absent and key not in tensors:
+                absent_keys[key] = shard
+                continue
             if key not in tensors:
                 raise LayoutError(
                     f"index maps the tensor to {shard}, which does not contain it",
@@ -205,4 +223,5 @@ def open_checkpoint(root: Path) -> Checkpoint:
         tensors=tensors,
         index_map=index_map,
         index_metadata=(index or {}).get("metadata", {}) or {},
+        absent=absent_keys,
     )

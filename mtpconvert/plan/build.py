@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import LayoutError, OptionsError
-from ..io.checkpoint import MTP_FILE, Checkpoint
+from ..io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint
 from ..io.header import dtype_itemsize
 from ..io.shard_writer import TensorSpec
 from ..model.keys import MLX, QUANT_AUX, RAW_VLM, Gather, Mapped, contributions, key_style, source_name
@@ -210,22 +210,44 @@ def _shape_error(ckpt: Checkpoint, key: str, expected, got) -> LayoutError:
     )
 
 
+def _source_files(ckpt: Checkpoint) -> Dict[str, Path]:
+    """Every source key, with the file it is in: read ones, then the index's entries for absent shards."""
+    files = {key: info.file for key, info in ckpt.tensors.items()}
+    files.update((key, ckpt.root / shard) for key, shard in ckpt.absent.items())
+    return files
+
+
 def _map_all(ckpt: Checkpoint) -> List[Mapped]:
-    """Every source key's contributions (a fused gate_up gives two)."""
+    """Every source key's contributions (a fused gate_up gives two), absent ones included: they are
+    mapped like any other, so a vision or MTP tensor in a shard the pull skipped is dropped with the
+    same reason as one that shares a shard with kept tensors."""
     mapped = []
-    for key, info in ckpt.tensors.items():
+    for key, file in _source_files(ckpt).items():
         if QUANT_AUX.search(key):
             raise LayoutError(
                 "checkpoint is already quantized; convert needs unquantized weights",
-                file=info.file,
+                file=file,
                 key=key,
                 hint="convert the original BF16 release instead",
             )
         try:
             mapped.extend(contributions(key))
         except LayoutError as e:
-            raise LayoutError(e.detail, file=info.file, key=key) from None
+            raise LayoutError(e.detail, file=file, key=key) from None
     return mapped
+
+
+def _refuse_absent(ckpt: Checkpoint, kept: List[Mapped]) -> None:
+    """A tensor the conversion keeps cannot come from a shard that was not fetched. The pull skips only
+    shards whose every tensor is dropped under the same options, so this is a caller's mistake."""
+    for c in kept:
+        if c.source in ckpt.absent:
+            raise LayoutError(
+                f"the conversion needs this tensor but its shard {ckpt.absent[c.source]} was not fetched",
+                file=ckpt.root / INDEX_NAME,
+                key=c.source,
+                code="shard-missing",
+            )
 
 
 def _gather_switch(ckpt, slot: Slot, contribs: List[Mapped], spec: ModelSpec):
@@ -282,7 +304,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         raise OptionsError(f"--mtp-layout must be one of {MTP_LAYOUTS}, got {opts.mtp_layout!r}")
     if opts.max_shard_bytes <= 0:
         raise OptionsError(f"--max-shard-size must be > 0 GB, got {opts.max_shard_bytes / (1 << 30):g}")
-    style = detect_style(ckpt.tensors)
+    style = detect_style(_source_files(ckpt))
     raw = detect_raw(ckpt)
     mapped = _map_all(ckpt)
 
@@ -320,6 +342,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     if spec.tie_word_embeddings and (LM + "lm_head.weight") in contribs:
         dropped += [(c.source, "tie_word_embeddings: lm_head shares embed_tokens") for c in contribs.pop(LM + "lm_head.weight")]
 
+    _refuse_absent(ckpt, [c for cs in contribs.values() for c in cs] + (vision if opts.keep_vision else []))
     unexpected = [c for t, cs in contribs.items() if t not in slots for c in cs]
     if unexpected:
         c = unexpected[0]
