@@ -66,18 +66,29 @@ class Release:
     raw_shards: int  # safetensors shards of the release (bf16): a raw shard is params * 2 / raw_shards
     hidden: int  # lm_head is vocab x hidden
     head_gb: float  # the MTP head's fc, norms and layer 0 in bf16: the sidecar on disk (--mtp keep)
-    head_cpu_gb: float  # the same held by the layerwise smoke on the CPU: float experts cast to float32
     layer_b: float  # parameters of the largest decoder layer, in billions
+    moe: bool = False  # the head's layer has routed experts
+
+    @property
+    def head_cpu_gb(self) -> float:
+        """The head as the layerwise smoke holds it on the CPU: as stored, plus one group of float
+        experts in float32 and the stored copy it is cast from (runtime.experts)."""
+        return self.head_gb + (SMOKE_FLOAT32_EXPERT_GB if self.moe else 0.0)
 
 
 RELEASES: Dict[str, Release] = {
-    "Qwen3.5-27B": Release(11, 5120, 0.85, 0.85, 0.38),
-    "Qwen3.6-27B": Release(15, 5120, 0.85, 0.85, 0.38),
-    "Qwen3.5-35B-A3B": Release(14, 2048, 1.69, 3.30, 0.84),
-    "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 3.30, 0.84),
-    "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 9.88, 2.51),
-    "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 26.08, 6.58),
+    "Qwen3.5-27B": Release(11, 5120, 0.85, 0.38),
+    "Qwen3.6-27B": Release(15, 5120, 0.85, 0.38),
+    "Qwen3.5-35B-A3B": Release(14, 2048, 1.69, 0.84, moe=True),
+    "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 0.84, moe=True),
+    "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 2.51, moe=True),
+    "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 6.58, moe=True),
 }
+# runtime.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
+# before installing; a test keeps the two equal): float32 experts the smoke casts at once, plus the
+# bf16 gather they are cast from (half as much again).
+SMOKE_FLOAT32_EXPERT_BYTES = 512 << 20
+SMOKE_FLOAT32_EXPERT_GB = SMOKE_FLOAT32_EXPERT_BYTES * 1.5 / 1e9
 VOCAB = 248320
 STREAM_SHARD_GB = 1.0  # output shard size of a recipe run (max_shard_gb): two of them are on disk at once
 MARGIN_GB = 1.0  # config, tokenizer, index, logs, filesystem slack
@@ -132,8 +143,9 @@ class Recipe:
 
     def memory_needed_gb(self) -> float:
         """Peak memory of the layerwise smoke (docs/smoke.md): the larger of the largest decoder layer at
-        the recipe's bits and the MTP head as held on the CPU (bf16 experts cast to float32), plus ~0.5 GB
-        of activations and lm_head block and ~1 GB for the converter running beside it."""
+        the recipe's bits and the MTP head as held on the CPU (as stored, float experts cast to float32 one
+        bounded group at a time: ``Release.head_cpu_gb``), plus ~0.5 GB of activations and lm_head block
+        and ~1 GB for the converter running beside it."""
         r = self.release
         return max(self._gb_at_bits(r.layer_b), r.head_cpu_gb) + 1.5
 

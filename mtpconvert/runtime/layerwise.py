@@ -37,9 +37,10 @@ quantized matrices by many rows slowly (~0.1 GFLOP/s here against ~1-2 for a flo
 ``exact=None`` (the default) runs on the CPU with every affine-quantized ``Linear`` (and every
 ``lm_head`` block) as a ``BlockLinear``: dequantized a block of rows at a time and multiplied in
 floating point, the same predictions up to rounding (float32 where this machine's float32 GEMM
-is faster, see ``fast_float_dtype``). On the CPU, unquantized MoE experts are cast to float32
-because mlx's CPU ``gather_mm`` is float32-only (``cast_float_experts``; the reference does the
-same). See docs/smoke.md for measured memory and time.
+is faster, see ``fast_float_dtype``). On the CPU, unquantized MoE experts stay as stored and run
+in float32 a bounded group of experts at a time, because mlx's CPU ``gather_mm`` is float32-only
+(``runtime.experts.bound_float_experts``: bit-identical to casting the whole stack, as the
+reference does with ``cast_float_experts``). See docs/smoke.md for measured memory and time.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from mlx.utils import tree_map
 from ..errors import LayoutError
 from ..io.header import TensorInfo, read_header
 from ..io.reader import TensorReader
+from .experts import bound_float_experts
 from .locate import HEAD_PREFIXES, MTP_FILE, HeadTensors, locate_mtp, shard_files
 from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain, matches, mlp_removed, paired_gain
 from .mtp import MTPHead, stack_experts
@@ -610,7 +612,7 @@ def _load_layer(folder: _Folder, i: int) -> nn.Module:
 
 
 def _finish_layer(module: nn.Module, exact: bool, dtype) -> None:
-    cast_float_experts(module)
+    bound_float_experts(module)  # float experts stay as stored: float32 a group at a time, not the stack
     if not exact:
         dequantize_linears(module, dtype)
         if dtype == mx.float32:  # vectors too (norms, A_log, dt_bias): matrices are promoted per call
