@@ -2,7 +2,7 @@
 ``bench --concurrency`` does), with its batch size, whether it drafted, the head's pass width and
 its wall time; slow steps (> 3x the median of their kind) are listed.
 
-    python benchmarks/auto_steps.py OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--json out.json]
+    python benchmarks/auto_steps.py OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--repeat 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=1, help="timed auto runs, one policy (a slow step that recurs is not a compile)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     m = load(args.folder)
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     policy = DraftPolicy()
     engine_decode(m, prompts, args.max_tokens, greedy, 0, args.depth, "auto", policy=policy)
     report = {}
-    for mode in ("plain", "mtp", "auto"):
+    for mode in ("plain", "mtp") + ("auto",) * args.repeat:
         streams = [Stream(list(p), args.max_tokens) for p in prompts]
         engine = run_batch(m, streams, args.depth, mode, policy=policy if mode == "auto" else None)
         steps = [{"B": len(r.streams), "drafted": r.drafted, "head_width": r.head_width, "ms": round(1e3 * r.seconds, 3)}
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         print(f"{mode}: {len(steps)} steps, {total:.0f} ms; median ms drafted/plain "
               f"{medians.get(True, 0):.2f}/{medians.get(False, 0):.2f}; slow steps {len(slow)} = "
               f"{sum(s['ms'] for s in slow):.0f} ms: {slow[:12]}", flush=True)
-        report[mode] = {"steps": steps, "slow": slow, "total_ms": total}
+        report.setdefault(mode, []).append({"steps": steps, "slow": slow, "total_ms": total})
     if args.json:
         args.json.write_text(json.dumps(report) + "\n")
     return 0
