@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -236,3 +237,11 @@ def _refuse_experts(raw: Dict[str, np.ndarray], experts: str) -> Dict[str, np.nd
         out[f"{mlp}.experts.gate_up_proj"] = np.concatenate([stack["gate_proj"], stack["up_proj"]], axis=1)
         out[f"{mlp}.experts.down_proj"] = stack["down_proj"]
     return out
+
+
+def resume_command(output: str) -> list:
+    """The arguments of the resume command an error message gives (after 'resume with: ')."""
+    line = next(line for line in output.splitlines() if "resume with: " in line)
+    words = shlex.split(line.split("resume with: ", 1)[1])
+    assert words[0] == "mtpconvert"
+    return words[1:]

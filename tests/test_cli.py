@@ -5,6 +5,7 @@ import re
 import shlex
 
 import pytest
+from checkpoints import resume_command
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app
@@ -64,14 +65,6 @@ def test_failed_conversion_leaves_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nomtp"]
     result = runner.invoke(app, ["verify", str(built.path), "--json"])
     assert result.exit_code == 1 and json.loads(result.stdout)["findings"][0]["code"] == "mtp-missing"
-
-
-def resume_command(output: str) -> list:
-    """The arguments of the resume command an error message gives (after 'resume with: ')."""
-    line = next(line for line in output.splitlines() if "resume with: " in line)
-    words = shlex.split(line.split("resume with: ", 1)[1])
-    assert words[0] == "mtpconvert"
-    return words[1:]
 
 
 def test_convert_runs_smoke_and_a_failing_head_keeps_the_shards_for_resume(raw_checkpoints, tmp_path):
@@ -271,8 +264,6 @@ def _commands(group, path=()):
 
 
 def _examples(epilog: str):
-    import shlex
-
     return [shlex.split(line, comments=True)[1:] for line in (epilog or "").splitlines()
             if line.strip().startswith("mtpconvert ")]
 

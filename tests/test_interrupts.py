@@ -2,13 +2,15 @@
 processes run, Ctrl-C while --stream downloads, and the output lock (filelock)."""
 
 import os
-import shlex
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
+
+from checkpoints import resume_command
 
 from mtpconvert.execute.resume import RESUME_DIR
 
@@ -74,6 +76,24 @@ def error_lines(stderr: str) -> list:
     return lines[after:]
 
 
+@contextmanager
+def group_killed_on_exit(proc):
+    """Whatever the test does with ``proc``, no process of its group outlives the block."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def stop_and_wait(proc, stop, timeout: float):
+    """Call ``stop()`` (deliver the signal), wait for ``proc`` to exit: (its stderr, seconds it took)."""
+    stop()
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return err, time.monotonic() - t0
+
+
 def signal_group(pgid: int, sig: int) -> None:
     os.killpg(pgid, sig)
 
@@ -106,16 +126,10 @@ def test_sigterm_while_the_worker_pool_runs(raw_checkpoints, tmp_path, deliver):
     The run stops as on Ctrl-C: exit 130, one line naming the kept shards and the resume command,
     no BrokenProcessPool, no traceback, no process left; the resume command finishes the job."""
     args, out, proc, records = start_slow_pool_conversion(raw_checkpoints, tmp_path)
-    try:
+    with group_killed_on_exit(proc):
         wait_for(lambda: records.is_dir() and any(records.glob("*.json")), 60, proc)
         assert len(group_members(proc.pid)) >= 3  # the parent and its worker processes
-        deliver(proc.pid, signal.SIGTERM)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=30)
-        stopped_s = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        err, stopped_s = stop_and_wait(proc, lambda: deliver(proc.pid, signal.SIGTERM), 30)
     assert proc.returncode in (130, 143), err
     lines = error_lines(err)
     assert len(lines) == 1 and lines[0].startswith("interrupted: nothing was written to"), err
@@ -123,13 +137,13 @@ def test_sigterm_while_the_worker_pool_runs(raw_checkpoints, tmp_path, deliver):
     assert stopped_s < 10
     wait_for(lambda: group_gone(proc.pid), 10)
     assert not out.exists() and any(records.glob("*.json"))
-    resume = shlex.split(lines[0].split("resume with: ", 1)[1])
-    assert resume == ["mtpconvert", *args[:3], "--bits", "4", "--group-size", "32", "--max-shard-size", "4e-05",
+    resume = resume_command(lines[0])
+    assert resume == [*args[:3], "--bits", "4", "--group-size", "32", "--max-shard-size", "4e-05",
                       "--resume", "--no-smoke"]
 
     from mtpconvert.cli import run
 
-    assert run(resume[1:]) == 0
+    assert run(resume) == 0
     assert out.is_dir() and not (tmp_path / ".out.partial").exists()
 
 
@@ -149,18 +163,12 @@ def test_ctrl_c_under_stream_stops_within_seconds(raw_checkpoints, tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", "pull-and-quantize", "Qwen/Tiny-MoE", str(out),
                                  "--stream", "--no-smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, env=env)
-        try:
+        with group_killed_on_exit(proc):
             whole_shard = lambda: any(r.method == "GET" and r.range is None and r.path.endswith(".safetensors")  # noqa: E731
                                       for r in hub.log)
             wait_for(whole_shard, 60, proc)
             time.sleep(0.5)  # well inside the download
-            os.killpg(proc.pid, signal.SIGINT)
-            t0 = time.monotonic()
-            _, err = proc.communicate(timeout=60)
-            stopped_s = time.monotonic() - t0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            err, stopped_s = stop_and_wait(proc, lambda: os.killpg(proc.pid, signal.SIGINT), 60)
     assert proc.returncode == 130, err
     assert stopped_s < 5, stopped_s
     assert "Traceback" not in err and error_lines(err)[-1].startswith("interrupted"), err
@@ -171,16 +179,11 @@ def test_a_worker_killed_outright_is_named_and_the_shards_kept(raw_checkpoints, 
     """SIGKILL (the kernel's OOM killer) on a worker: not a BrokenProcessPool bug report but a
     one-line error naming it, exit 2, the finished shards kept with the resume command."""
     args, out, proc, records = start_slow_pool_conversion(raw_checkpoints, tmp_path)
-    try:
+    with group_killed_on_exit(proc):
         wait_for(lambda: records.is_dir() and any(records.glob("*.json")), 60, proc)
         workers = pool_workers(proc.pid)
         assert len(workers) >= 2
-        for pid in workers:
-            os.kill(pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        err, _ = stop_and_wait(proc, lambda: [os.kill(pid, signal.SIGKILL) for pid in workers], 30)
     assert proc.returncode == 2, err
     lines = error_lines(err)
     assert lines[0].startswith("error: a quantization worker process died") and "Traceback" not in err, err

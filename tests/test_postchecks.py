@@ -2,12 +2,11 @@
 and that a failure there, or anywhere once a shard is finished, loses nothing finished."""
 
 import errno
-import shlex
 
 import pytest
 from typer.testing import CliRunner
 
-from checkpoints import convert_folder, without_shift
+from checkpoints import convert_folder, resume_command, without_shift
 from mtpconvert import api
 from mtpconvert.checks import CheckFailed, CheckRecord, Checks, choose_smoke, run_checks
 from mtpconvert.cli import app
@@ -30,13 +29,6 @@ def memory_available(monkeypatch, n: int) -> None:
     from mtpconvert.runtime import layerwise
 
     monkeypatch.setattr(layerwise, "available_memory_bytes", lambda: n)
-
-
-def resume_args(output: str) -> list:
-    line = next(line for line in output.splitlines() if "resume with: " in line)
-    words = shlex.split(line.split("resume with: ", 1)[1])
-    assert words[0] == "mtpconvert"
-    return words[1:]
 
 
 # ---------------------------------------------------------------- full or layerwise
@@ -139,7 +131,7 @@ def test_verify_failure_keeps_the_shards_and_names_the_resume_command(raw_checkp
     src, out = raw_checkpoints("dense-vlm").path, tmp_path / "out"
     result = runner.invoke(app, ["convert", str(src), str(out), "--bits", "8", "--group-size", "32"])
     assert result.exit_code == 2 and "failed verification" in result.output
-    assert resume_args(result.output) == ["convert", str(src), str(out), "--bits", "8", "--group-size", "32",
+    assert resume_command(result.output) == ["convert", str(src), str(out), "--bits", "8", "--group-size", "32",
                                           "--resume"]
     assert not out.exists() and any((tmp_path / ".out.partial" / RESUME_DIR).glob("*.json"))
 
@@ -160,10 +152,10 @@ def test_an_exception_in_the_smoke_keeps_the_shards(raw_checkpoints, tmp_path, m
     src, out = raw_checkpoints("dense-vlm").path, tmp_path / "out"
     result = runner.invoke(app, ["convert", str(src), str(out), "--smoke-mode", "full"])
     assert result.exit_code == code and message in result.output, result.output
-    assert sorted(resume_args(result.output)) == sorted(["convert", str(src), str(out), *advice])
+    assert sorted(resume_command(result.output)) == sorted(["convert", str(src), str(out), *advice])
     assert not out.exists() and any((tmp_path / ".out.partial" / RESUME_DIR).glob("*.json"))
     monkeypatch.undo()
-    result = runner.invoke(app, resume_args(result.output) + ["--no-smoke"] * ("--no-smoke" not in advice))
+    result = runner.invoke(app, resume_command(result.output) + ["--no-smoke"] * ("--no-smoke" not in advice))
     assert result.exit_code == 0 and "reused after checking" in result.output, result.output
     assert verify(out).ok
 
@@ -186,7 +178,7 @@ def test_disk_full_after_some_shards_keeps_them(raw_checkpoints, tmp_path, monke
     args = ["convert", str(src), str(out), "--max-shard-size", "0.00004", "--no-smoke"]
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and "disk full" in result.output
-    assert resume_args(result.output) == [*args[:3], "--max-shard-size", "4e-05", "--resume", "--no-smoke"]
+    assert resume_command(result.output) == [*args[:3], "--max-shard-size", "4e-05", "--resume", "--no-smoke"]
     assert len(list((tmp_path / ".out.partial" / RESUME_DIR).glob("*.json"))) == 2
 
 
