@@ -13,7 +13,8 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mtpconvert.fixture import fixture_path
 from mtpconvert.runtime import experts, layerwise
 from mtpconvert.runtime.experts import BoundedSwitchGLU, bound_float_experts, expert_groups
-from mtpconvert.runtime.layerwise import cast_float_experts, layerwise_acceptance
+from mtpconvert.runtime.layerwise import layerwise_acceptance
+from mtpconvert.runtime.load import float32_experts_on_cpu
 from mtpconvert.runtime.smoke import encode_prompts
 from mtpconvert.demo import fixture_prompts
 
@@ -28,7 +29,7 @@ def _stored_glu(dims=64, hidden=32, n_experts=16, dtype=mx.bfloat16) -> SwitchGL
 
 
 def _float32_copy(glu: SwitchGLU) -> SwitchGLU:
-    """What cast_float_experts makes of it: the whole stack in float32."""
+    """What float32_experts_on_cpu makes of it: the whole stack in float32."""
     ref = SwitchGLU(glu.gate_proj.input_dims, glu.gate_proj.output_dims, glu.gate_proj.num_experts)
     ref.update(tree_map(lambda v: v.astype(mx.float32), glu.parameters()))
     return ref
@@ -95,7 +96,7 @@ def test_layerwise_result_is_identical_to_casting_the_whole_stack(moe_bf16, monk
     ids = encode_prompts(moe_bf16, fixture_prompts(3, length=40))
     # before: every float expert stack cast to float32, as the check did until the bounded path
     with monkeypatch.context() as m:
-        m.setattr(layerwise, "bound_float_experts", cast_float_experts)
+        m.setattr(layerwise, "bound_float_experts", float32_experts_on_cpu)
         before = layerwise_acceptance(moe_bf16, token_ids=ids)  # the default, as CI runs it
     swapped = []
 

@@ -40,7 +40,7 @@ floating point, the same predictions up to rounding (float32 where this machine'
 is faster, see ``fast_float_dtype``). On the CPU, unquantized MoE experts stay as stored and run
 in float32 a bounded group of experts at a time, because mlx's CPU ``gather_mm`` is float32-only
 (``runtime.experts.bound_float_experts``: bit-identical to casting the whole stack, as the
-reference does with ``cast_float_experts``). See docs/smoke.md for measured memory and time.
+full-model loader does with ``load.float32_experts_on_cpu``). See docs/smoke.md for measured memory and time.
 """
 
 from __future__ import annotations
@@ -284,25 +284,6 @@ def agreement(backbone_next: Sequence[int], head_next: Sequence[int]) -> Tuple[i
 
 # --------------------------------------------------------------------------------------------
 # shared pieces (also used by the full-model reference)
-
-
-def cast_float_experts(module: nn.Module) -> int:
-    """On mlx's CPU backend ``gather_mm`` is float32-only: cast every unquantized
-    ``SwitchLinear`` under ``module`` to float32 (quantized experts use ``gather_qmm`` and stay).
-    Returns the number of arrays cast; does nothing off the CPU."""
-    from mlx_lm.models.switch_layers import SwitchLinear
-
-    if mx.default_device() != mx.cpu:
-        return 0
-    n = 0
-    for _, m in module.named_modules():
-        if isinstance(m, SwitchLinear):
-            for k in ("weight", "bias"):
-                if k in m and m[k].dtype != mx.float32:
-                    m[k] = m[k].astype(mx.float32)
-                    mx.eval(m[k])  # one projection at a time: its bf16 copy is freed before the next
-                    n += 1
-    return n
 
 
 # Rows of a weight matrix turned to floating point at once by BlockLinear.
