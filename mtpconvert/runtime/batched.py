@@ -339,34 +339,3 @@ def run_batch(
             engine.drop_finished()
         step += 1
     return engine
-
-
-@dataclass
-class Divergence:
-    """Where two greedy decodes of one prompt part: position, both tokens, and the reference's
-    top-2 logit margin there (a near-tie when it is within kernel rounding)."""
-
-    position: int
-    tokens: tuple
-    margin: float
-
-    def to_json(self) -> dict:
-        return {"position": self.position, "tokens": list(self.tokens), "margin": round(self.margin, 5)}
-
-
-def divergence(m: MTPModel, prompt: Sequence[int], got: Sequence[int], reference: Sequence[int],
-               processors: Sequence[LogitsProcessor] = ()) -> Optional[Divergence]:
-    """None when ``got`` equals ``reference``; else the first position where they differ and the
-    top-2 margin of the reference model's (processed) logits there, from one stock forward."""
-    n = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), None)
-    if n is None:
-        if len(got) == len(reference):
-            return None
-        n = min(len(got), len(reference))
-        return Divergence(n, (None, None), float("inf"))
-    context = list(prompt) + list(reference[:n])
-    logits = m.model(mx.array([context]))[:, -1]
-    for proc in processors:
-        logits = proc(mx.array(context), logits)
-    top2 = mx.sort(logits[0].astype(mx.float32))[-2:].tolist()
-    return Divergence(n, (got[n], reference[n]), top2[1] - top2[0])

@@ -124,21 +124,27 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def top2_margin(m: MTPModel, prompt: Sequence[int], generated: Sequence[int]) -> float:
+def top2_margin(m: MTPModel, prompt: Sequence[int], generated: Sequence[int], processors: Sequence = ()) -> float:
     """Top-1 minus top-2 logit of the plain model for the token after ``prompt + generated``
-    (one prefill, the stock forward)."""
-    logits = m.model(mx.array([list(prompt) + list(generated)]))[0, -1].astype(mx.float32)
-    top = mx.topk(logits, 2)
+    (one prefill, the stock forward), after the decode's logits processors if it had any."""
+    context = list(prompt) + list(generated)
+    logits = m.model(mx.array([context]))[:, -1]
+    for proc in processors:
+        logits = proc(mx.array(context), logits)
+    top = mx.topk(logits[0].astype(mx.float32), 2)
     return float((mx.max(top) - mx.min(top)).item())
 
 
-def divergence(m: MTPModel, i: int, prompt: Sequence[int], plain: List[int], spec: List[int]) -> Optional[Divergence]:
+def divergence(m: MTPModel, i: int, prompt: Sequence[int], plain: Sequence[int], spec: Sequence[int],
+               processors: Sequence = ()) -> Optional[Divergence]:
+    """Where ``spec`` first parts from the reference decode ``plain`` of prompt ``i`` (None if equal),
+    with the reference's top-2 margin there; ``processors``: the logits processors both decodes ran."""
     at = first_difference(plain, spec)
     if at is None:
         return None
     if at >= min(len(plain), len(spec)):  # one decode stopped early: no competing token to weigh
         return Divergence(i, at, plain[at] if at < len(plain) else -1, spec[at] if at < len(spec) else -1)
-    return Divergence(i, at, plain[at], spec[at], top2_margin(m, prompt, plain[:at]))
+    return Divergence(i, at, plain[at], spec[at], top2_margin(m, prompt, plain[:at], processors))
 
 
 def smoke(
