@@ -63,16 +63,18 @@ def _free_port() -> int:
 class Server:
     """One ``rapid-mlx serve`` process on 127.0.0.1, started and stopped by this probe."""
 
-    def __init__(self, folder: Path, spec: bool, workdir: Path, extra=()):
+    def __init__(self, folder: Path, spec: bool, workdir: Path, extra: dict = None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / (("serve-mtp" + "".join(extra) if spec else "serve-plain") + ".log")
+        self.log_path = workdir / (("serve-mtp" + "".join(f"-{k}" for k in extra or {}) if spec else "serve-plain")
+                                   + ".log")
         exe = Path(sys.executable).with_name("rapid-mlx")
         cmd = [str(exe), "--no-telemetry", "serve", str(folder), "--host", "127.0.0.1", "--port", str(self.port),
                "--served-model-name", "probe", "--disable-model-downloads", "--disable-disk-caches",
                "--disable-prefix-cache", "--no-preflight"]
         if spec:
-            cmd += ["--speculative-config", json.dumps({"method": "mtp", "model": str(folder)}), *extra]
+            # extra keys go inside the config: rapid-mlx refuses its legacy flags beside --speculative-config
+            cmd += ["--speculative-config", json.dumps({"method": "mtp", "model": str(folder), **(extra or {})})]
         home = workdir / "home"
         home.mkdir(exist_ok=True)
         env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), RAPID_MLX_TELEMETRY="0",
@@ -175,7 +177,7 @@ def _run_spec(folder, workdir, texts, max_tokens, piece_ids, ambiguous, hits, re
     """One MTP server run; True when it should be run again with a fixed draft depth: the head was
     injected and the MTP loop ran, but rapid-mlx's EV depth controller (a port of Ollama's
     speculate_depth) parked the drafter (K=0: drafting did not pay in its timing on this host), so
-    no draft was verified. ``--mtp-disable-auto-k`` (its A/B benching switch) fixes the depth at
+    no draft was verified. ``disable_auto_k`` (its A/B benching switch) fixes the depth at
     ``mtp_max_k``; the default run's status is kept in ``detail.auto_k``."""
     spec = Server(folder, spec=True, workdir=workdir, extra=extra)
     try:
@@ -183,7 +185,7 @@ def _run_spec(folder, workdir, texts, max_tokens, piece_ids, ambiguous, hits, re
         log = spec.log_text()
         result["detail"]["mtp_log"] = _log_lines(log, ("[mtp.inject]", "MTP-vendored", "norm_shift", "spec decode"))
         if extra:
-            result["detail"]["mtp_server_flags"] = list(extra)
+            result["detail"]["speculative_config_extra"] = dict(extra)
         if not ready:
             result["error"] = "MTP server refused to boot: " + _refusal(log)
             return False
@@ -240,7 +242,7 @@ def body(folder: Path, prompts, max_tokens: int, result: dict) -> None:
         finally:
             plain.stop()
 
-        for extra in ((), ("--mtp-disable-auto-k",)):
+        for extra in ({}, {"disable_auto_k": True}):
             if not _run_spec(folder, workdir, texts, max_tokens, piece_ids, ambiguous, hits, result, extra):
                 break
     finally:
