@@ -6,6 +6,7 @@ with the converter in a memory-limited cgroup and its working folder on a small 
     sudo python benchmarks/constrained_publish.py --model Qwen3.5-4B --layers 6 --shard-gb 0.4 \\
         --mem-gb 1 --disk-gb 3.25
     sudo python benchmarks/constrained_publish.py ... --no-smoke --prefetch-shards 0   # one raw shard at a time
+    sudo python benchmarks/constrained_publish.py ... --shard-gb 2 --disk-gb 1.5 --raw-window 0.25   # byte ranges
 
 Needs root (cgroup and loop mount). The limits are enforced by the kernel, not measured after
 the fact: the memory limit is a cgroup (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``) that
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
                     help="layerwise: fed shard by shard, shards freed as they go; full: every shard kept to the end")
     ap.add_argument("--prefetch-shards", type=int, default=None,
                     help="passed to the converter (--stream --prefetch-shards N; default: its own, 1)")
+    ap.add_argument("--raw-window", type=float, default=None,
+                    help="passed to the converter (--stream --raw-window GB: byte ranges instead of whole shards)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/constrained-publish"))
     args = ap.parse_args(argv)
 
@@ -169,6 +172,8 @@ def main(argv=None) -> int:
                        "--stream", "--max-shard-size", str(args.out_shard_gb), "--upload-repo", "bench/synth"]
             if args.prefetch_shards is not None:
                 command += ["--prefetch-shards", str(args.prefetch_shards)]
+            if args.raw_window is not None:
+                command += ["--raw-window", str(args.raw_window)]
             command += ["--no-smoke"] if args.no_smoke else ["--smoke-mode", args.smoke_mode, "--min-acceptance", "0"]
             watch = DiskWatch(mount)
             watch.start()

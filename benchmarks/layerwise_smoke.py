@@ -16,6 +16,7 @@ start from disk; ``read`` is the time of one plain cold read of the same files. 
 make acceptance meaningless: only memory and time are measured.
 
     python benchmarks/layerwise_smoke.py Qwen3.5-27B /tmp/lw27 --layers 4 --bits 4
+    python benchmarks/layerwise_smoke.py Qwen3.5-397B-A17B /tmp/lw397 --layers 1 --bits 4 --mtp match --skip-full
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def main(argv=None):
     ap.add_argument("work", type=Path, help="scratch folder (raw/ and out/ are written here)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--mtp", default="keep", choices=["keep", "match"], help="the head's precision (convert --mtp)")
     ap.add_argument("--max-prompt-tokens", type=int, default=96)
     ap.add_argument("--full-max-tokens", type=int, default=48)
     ap.add_argument("--full-prompt", action="append", help="prompt for the full smoke (default: its 3 prompts)")
@@ -129,7 +131,7 @@ def main(argv=None):
 
     from mtpconvert.fixture import fixture_path
 
-    report = {"model": args.model, "layers": args.layers, "bits": args.bits,
+    report = {"model": args.model, "layers": args.layers, "bits": args.bits, "mtp": args.mtp,
               "ld_preload": os.environ.get("LD_PRELOAD", "")}
     try:
         if not out.exists():
@@ -138,7 +140,7 @@ def main(argv=None):
             report["synth_s"] = round(time.perf_counter() - t, 1)
             t = time.perf_counter()
             subprocess.run([sys.executable, "-m", "mtpconvert", "convert", str(raw), str(out), "--bits",
-                            str(args.bits), "--no-smoke"], check=True)
+                            str(args.bits), "--mtp", args.mtp, "--no-smoke"], check=True)
             report["convert_s"] = round(time.perf_counter() - t, 1)
             shutil.rmtree(raw)  # disk: only the converted folder is needed from here on
             for f in ("tokenizer.json", "tokenizer_config.json"):

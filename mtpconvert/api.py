@@ -171,18 +171,26 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
                      cache_dir: Optional[PathLike] = None, local_dir: Optional[PathLike] = None,
                      token: Optional[str] = None, timeout: float = 30.0, overwrite: bool = False,
                      resume: bool = False, upload_repo: Optional[str] = None, private: bool = False,
-                     prefetch_shards: Optional[int] = None, events: Optional[Events] = None) -> ConversionResult:
+                     prefetch_shards: Optional[int] = None, raw_window_gb: Optional[float] = None,
+                     events: Optional[Events] = None) -> ConversionResult:
     """Download only what the conversion needs (pinned to one commit), convert, check; optionally upload.
 
     With ``stream``, each raw shard is fetched when first needed and deleted after its last
     use, so raw data on disk stays within the two largest shards; ``prefetch_shards`` (only with
     ``stream``; default 1) is how many are downloaded ahead of the one being read: 0 holds one.
+    ``raw_window_gb`` (only with ``stream``, not with ``prefetch_shards``) fetches byte ranges
+    instead: each block's source bytes just before it is made, freed once it is written, at most
+    that many GB ahead, so raw data on disk does not depend on the shard size.
     """
     from .hub import pull
-    from .hub.stream import DEFAULT_PREFETCH_SHARDS, shards_held
+    from .hub.stream import DEFAULT_PREFETCH_SHARDS, shards_held, window_bytes
 
-    if prefetch_shards is not None and not stream:
-        raise OptionsError("--prefetch-shards needs --stream (a plain pull downloads every shard first)")
+    for flag, value in (("--prefetch-shards", prefetch_shards), ("--raw-window", raw_window_gb)):
+        if value is not None and not stream:
+            raise OptionsError(f"{flag} needs --stream (a plain pull downloads every shard first)")
+    if prefetch_shards is not None and raw_window_gb is not None:
+        raise OptionsError("--prefetch-shards and --raw-window exclude each other: whole shards or byte ranges")
+    window = window_bytes(raw_window_gb) if raw_window_gb is not None else None
     prefetch = DEFAULT_PREFETCH_SHARDS if prefetch_shards is None else prefetch_shards
     keep = shards_held(prefetch)
     events = events or Events()
@@ -190,14 +198,16 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
     pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
     out = Path(out) if out is not None else default_out(repo_id, options)
     meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
-    if stream and prefetch != DEFAULT_PREFETCH_SHARDS:  # the default leaves the record as a plain pull's
+    if window is not None:
+        meta["stream"] = {"raw_window_gb": raw_window_gb}
+    elif stream and prefetch != DEFAULT_PREFETCH_SHARDS:  # the default leaves the record as a plain pull's
         meta["stream"] = {"prefetch_shards": prefetch}
     local = Path(local_dir) if local_dir else None
     if stream:
         publish = {"repo_id": upload_repo, "private": private} if upload_repo else None
         result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
                                    checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta,
-                                   publish=publish, keep=keep)
+                                   publish=publish, keep=keep, window=window)
     else:
         events.stage(f"downloading {repo_id}")
         events.download(0, pulled.total_bytes or None)
@@ -215,13 +225,16 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
 
 def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, local_dir: Optional[Path],
                       timeout: float, checks: Checks, overwrite: bool, resume: bool, events: Events,
-                      meta: dict, publish: Optional[dict] = None, keep: int = 2) -> ConversionResult:
-    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use.
+                      meta: dict, publish: Optional[dict] = None, keep: int = 2,
+                      window: Optional[int] = None) -> ConversionResult:
+    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use
+    (``window``: byte ranges instead, at most ``window`` bytes of them ahead).
 
     ``publish`` ({"repo_id", "private"}): each finished output shard is uploaded as it is written and one
     commit publishes the folder once the checks passed (``hub.publish``). ``keep``: raw shards held at once."""
     from .hub import pull
-    from .hub.stream import ShardStream, first_use_order
+    from .hub.sparse import RangeReader
+    from .hub.stream import RangeStream, ShardStream, first_use_order
 
     stage = local_dir or out.absolute().parent / f".{out.name}.stream"
     publisher = None
@@ -232,9 +245,12 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
         plan_ = build_plan(ckpt, options)
         if publish:
             publisher = _publisher(publish, out, token, plan_, checks)
-        feed = ShardStream(first_use_order(plan_, ckpt),
-                           lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout),
-                           keep=keep)
+        if window is not None:
+            feed = RangeStream(RangeReader(pulled.repo_id, pulled.sha, token=token).read, window)
+        else:
+            feed = ShardStream(first_use_order(plan_, ckpt),
+                               lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout),
+                               keep=keep)
         if publisher is not None:
             publisher.open()
         try:

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 from .errors import LayoutError
 from .execute.blocks import produce
@@ -60,16 +60,17 @@ def _head_config(config: dict, plan) -> dict:
 
 
 def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optional[int] = None,
-          mtp_layout: str = "sidecar", check: Optional[Callable[[Path], None]] = None) -> List[str]:
+          mtp_layout: str = "sidecar", check: Optional[Callable[[Path], None]] = None,
+          absent: Sequence[str] = ()) -> List[str]:
     """Add the MTP head of the raw checkpoint at ``source_dir`` to ``mlx_dir`` in ``mtp_layout``;
-    return the added tensor names."""
+    return the added tensor names. ``absent``: source shards left out on purpose (vision only)."""
     mlx_dir = Path(mlx_dir)
     existing = open_checkpoint(mlx_dir)
     if any(k.startswith(HEAD_PREFIXES) for k in existing.tensors):
         raise LayoutError("the folder already has MTP tensors", file=mlx_dir, hint="nothing to add")
     q = existing.config.get("quantization") or {}
     quant = QuantOptions(q.get("bits"), q.get("group_size"), q.get("mode", "affine"), mtp, mtp_bits)
-    raw = open_checkpoint(source_dir)
+    raw = open_checkpoint(source_dir, absent=absent)
     plan = build_plan(raw, ConvertOptions(dtype=_existing_dtype(existing), quant=quant, mtp_layout=mtp_layout))
     if plan.mtp_layers == 0:
         raise LayoutError("the source checkpoint has no MTP head", file=source_dir)
@@ -140,6 +141,7 @@ def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = N
                                                 endpoint=hub.endpoint(), cache_dir=hub.cache_dir()), mirror / name)
         fetched = fetch_sparse(repo_id, pull.sha, {n: sizes[n] for n in shard_names}, mirror,
                                lambda k: k.startswith("mtp."), token)
-        added = graft(mirror, mlx_dir, mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
+        added = graft(mirror, mlx_dir, mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check,
+                      absent=pull.skipped_shards)
     return {"sha": pull.sha, "fetched_bytes": fetched, "source_bytes": sum(sizes[n] or 0 for n in shard_names),
             "added": len(added)}

@@ -92,8 +92,9 @@ def command_args(record: dict, out_name: str) -> Optional[List[str]]:
     options = record.get("options", {})
     if record.get("command") == "pull-and-quantize" and record.get("source_repo"):
         revision = ["--revision", record["source_revision"]] if record.get("source_revision") else []
-        stream = record.get("stream")  # recorded when --stream ran with a non-default --prefetch-shards
-        streamed = ["--stream", "--prefetch-shards", str(stream["prefetch_shards"])] if stream else []
+        stream = record.get("stream") or {}  # recorded when --stream ran with --raw-window or a non-default
+        streamed = (["--stream", "--raw-window", repr(stream["raw_window_gb"])] if "raw_window_gb" in stream
+                    else ["--stream", "--prefetch-shards", str(stream["prefetch_shards"])] if stream else [])
         return ["pull-and-quantize", record["source_repo"], out_name, *revision, *option_args(options), *streamed]
     if record.get("command") == "convert":
         source = record.get("source_folder") or (record.get("source_repo") or "SOURCE").split("/")[-1]

@@ -44,6 +44,7 @@ class FakeHub:
         self.log: List[Request] = []
         self.drop_after: Dict[str, int] = {}  # filename -> bytes to send before cutting the connection once
         self.bytes_per_s: Optional[float] = None  # throttle file downloads (GET without a Range) to this rate
+        self.throttle_ranges = False  # throttle ranged GETs too
         self.created: List[dict] = []
         self.validated_yaml: List[str] = []
         self.fail_commits = False  # commits answer 403: an upload that fails after the repo was created
@@ -190,7 +191,7 @@ class FakeHub:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                if hub.bytes_per_s and not rng:
+                if hub.bytes_per_s and (not rng or hub.throttle_ranges):
                     return self._trickle(data, hub.bytes_per_s)
                 self.wfile.write(data)
 

@@ -208,6 +208,29 @@ def test_add_mtp_grafts_the_head_reading_only_its_byte_ranges(hub, tmp_path):
     assert result.exit_code != 0 and "already has MTP" in result.output
 
 
+def test_add_mtp_from_a_release_with_a_vision_only_shard(hub, tmp_path):
+    """Qwen3.6-27B keeps its vision tower in a shard of its own, which a pull skips: add-mtp from such a
+    release grafts the head without asking for that shard (the index still names it)."""
+    from checkpoints import build
+
+    from mtpconvert.verify import verify
+
+    src = reshard(build(tmp_path / "one", dtype="bfloat16", seed=5).path, tmp_path / "five", 5)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    vision_only = sorted({s for s in index.values()} - {s for k, s in index.items() if "visual" not in k})
+    assert vision_only, "the reshard must leave a shard holding only the vision tower"
+    hub.add_folder("Qwen/Vision-Shard", src)
+    folder = tmp_path / "mlx"
+    made = runner.invoke(app, ["convert", str(src), str(folder), "--bits", "4", "--group-size", "32", "--mtp", "drop",
+                               "--no-smoke"])
+    assert made.exit_code == 0, made.output
+    result = runner.invoke(app, ["add-mtp", "Qwen/Vision-Shard", str(folder), "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    assert verify(folder).ok and verify(folder).mtp_layers_config == 1
+    asked = {r.path.rsplit("/", 1)[-1] for r in hub.log if r.path.endswith(".safetensors")}
+    assert asked and not asked & set(vision_only)
+
+
 def test_silent_hub_times_out_with_a_clear_error(tmp_path, monkeypatch):
     import socket
     import time
@@ -368,6 +391,9 @@ def test_stream_with_no_prefetch_holds_one_raw_shard(hub, tmp_path, monkeypatch,
 @pytest.mark.parametrize("args, expected", [
     (["--prefetch-shards", "0"], "--prefetch-shards needs --stream"),
     (["--stream", "--prefetch-shards", "-1"], "--prefetch-shards must be 0 or more"),
+    (["--raw-window", "1"], "--raw-window needs --stream"),
+    (["--stream", "--raw-window", "0"], "--raw-window must be a number of GB above 0"),
+    (["--stream", "--raw-window", "1", "--prefetch-shards", "0"], "exclude each other"),
 ])
 def test_bad_prefetch_is_one_line_naming_the_option(hub, tmp_path, args, expected):
     out = tmp_path / "out"
@@ -377,9 +403,102 @@ def test_bad_prefetch_is_one_line_naming_the_option(hub, tmp_path, args, expecte
     assert not [r for r in hub.log if r.path.endswith(".safetensors")]  # refused before any shard was read
 
 
-def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantizer", ["mlx", "numpy workers"])
+def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, tmp_path, monkeypatch, quantizer):
+    """--stream --raw-window: no shard is downloaded whole; each block's source bytes arrive just before it is
+    made (the fused backbone experts as one gate or up half per expert) and are punched out after it is
+    written, so raw data on disk stays near the window while the shards are several times larger. Every
+    byte is fetched once, the output bytes are those of a plain pull, and the record gives the command."""
+    from checkpoints import build
+
+    from mtpconvert.execute import pipeline as execute_mod
+    from mtpconvert.hub import stream as streaming
+    from mtpconvert.io.header import read_header
+    from mtpconvert.provenance import command_args
+
+    if quantizer == "mlx":
+        monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
+    else:
+        monkeypatch.setattr(execute_mod, "NUMPY_MIN_BYTES", 0)
+    src = reshard(build(tmp_path / "one", moe=True, experts="published35", dtype="bfloat16", seed=3).path,
+                  tmp_path / "two", 2)
+    repo = "Qwen/Ranges-" + quantizer.split()[0]
+    hub.add_folder(repo, src)
+    shard_bytes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
+    window = shard_bytes[0] // 8
+    stage = tmp_path / ".streamed.stream"
+    usage, feeds = [], []
+
+    def on_disk() -> int:  # allocated bytes: holes and punched ranges do not count
+        return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
+
+    real_init, real_acquire = streaming.RangeStream.__init__, streaming.RangeStream.acquire
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        feeds.append(self)
+
+    def acquire(self, key):
+        real_acquire(self, key)
+        usage.append(on_disk())
+
+    monkeypatch.setattr(streaming.RangeStream, "__init__", init)
+    monkeypatch.setattr(streaming.RangeStream, "acquire", acquire)
+    args = ["--bits", "4", "--group-size", "32", "--no-smoke"]
+    out = tmp_path / "streamed"
+    result = runner.invoke(app, ["pull-and-quantize", repo, str(out), "--stream", "--raw-window",
+                                 repr(window / 1e9), *args])
+    assert result.exit_code == 0, result.output
+    (feed,) = feeds
+    data = [r for r in hub.log if r.method == "GET" and r.path.endswith(".safetensors") and repo in r.path]
+    assert data and all(r.range for r in data)  # never a whole shard
+    spans = [tuple(map(int, r.range.split("=")[1].split("-"))) for r in data]
+    assert feed.requests == len(spans) - 2 * 2  # the stubs first: length prefix, then header, of each shard
+    # every byte the plan reads (all but the vision tower's), in requests that never overlap: each fetched once
+    read = sum(t.nbytes for p in src.glob("*.safetensors") for k, t in read_header(p).tensors.items()
+               if "visual" not in k)
+    assert sum(b - a + 1 for a, b in spans[2 * 2:]) == feed.fetched_bytes == read > shard_bytes[-1]
+    # the window binds: fetched ahead at most the window, plus the blocks execution already waits for
+    # (a few dozen tensors of at most 64 KiB here); disk follows it, punched ranges included
+    stubs = 2 * 8192  # each stub's header, rounded up to filesystem blocks
+    assert feed.punched and usage and max(usage) <= feed.peak_bytes + stubs + 8 * 4096, (max(usage), feed.peak_bytes)
+    assert feed.peak_bytes < shard_bytes[0] / 3, (feed.peak_bytes, window)
+    assert not stage.exists()
+    record = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["mtpconvert"]
+    assert record["stream"] == {"raw_window_gb": window / 1e9}
+    assert command_args(record, "x")[-3:] == ["--stream", "--raw-window", repr(window / 1e9)]
+
+    plain = tmp_path / "plain"
+    assert runner.invoke(app, ["pull-and-quantize", repo, str(plain), *args]).exit_code == 0
+    assert ({p.name: p.read_bytes() for p in out.glob("*.safetensors")}
+            == {p.name: p.read_bytes() for p in plain.glob("*.safetensors")})
+
+
+def test_a_full_disk_while_downloading_is_named_as_such():
+    """ENOSPC under a download (huggingface_hub may wrap it) is "disk full", not "could not reach the Hub"."""
+    import errno
+
+    from mtpconvert.hub.errors import hub_error
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    try:
+        try:
+            raise full
+        except OSError as inner:
+            raise RuntimeError("download failed") from inner
+    except RuntimeError as wrapped:
+        for e in (full, wrapped):
+            err = hub_error(e, "Qwen/Big", "model-00001-of-00002.safetensors")
+            assert "disk full while downloading model-00001-of-00002.safetensors from Qwen/Big" in str(err)
+            assert "--raw-window" in err.hint
+    assert "could not reach the Hub" in str(hub_error(ConnectionResetError(), "Qwen/Big", "x"))
+
+
+@pytest.mark.parametrize("fetch", [[], ["--raw-window", "0.001"]], ids=["shards", "ranges"])
+def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkeypatch, fetch):
     """A shard that cannot be fetched mid-conversion (here: gone from the repository after the plan
-    was made) fails the run with its name; no OUT, no partial folder, no staged shards are left."""
+    was made) fails the run with its name, whether whole or by byte ranges; no OUT, no partial
+    folder, no staged shards are left."""
     from mtpconvert.hub import pull as hub_mod
 
     repo = hub.repos["Qwen/Tiny-MoE"]
@@ -393,8 +512,8 @@ def test_stream_failure_names_the_shard_and_leaves_nothing(hub, tmp_path, monkey
 
     monkeypatch.setattr(hub_mod, "fetch_stubs", stubs_then_vanish)
     out = tmp_path / "out"
-    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MoE", str(out), "--stream", "--no-smoke"])
-    assert result.exit_code != 0
+    result = runner.invoke(app, ["pull-and-quantize", "Qwen/Tiny-MoE", str(out), "--stream", "--no-smoke", *fetch])
+    assert result.exit_code != 0 and "Traceback" not in result.output
     assert victim in result.output
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == [".out.lock"]
 

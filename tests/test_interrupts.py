@@ -147,26 +147,32 @@ def test_sigterm_while_the_worker_pool_runs(raw_checkpoints, tmp_path, deliver):
     assert out.is_dir() and not (tmp_path / ".out.partial").exists()
 
 
-def test_ctrl_c_under_stream_stops_within_seconds(raw_checkpoints, tmp_path):
-    """Ctrl-C while --stream downloads a shard (served slowly: it would take ~30 s) ends the run
-    at once instead of waiting for the download: exit 130, nothing at OUT, the staging folder gone."""
+@pytest.mark.parametrize("fetch", [[], ["--raw-window", "1"]], ids=["shards", "ranges"])
+def test_ctrl_c_under_stream_stops_within_seconds(raw_checkpoints, tmp_path, fetch):
+    """Ctrl-C while --stream downloads a shard, or byte ranges of it (served slowly: a shard would take
+    ~30 s) ends the run at once instead of waiting for the download: exit 130, nothing at OUT, the
+    staging folder gone."""
     from hubserver import FakeHub
 
     with FakeHub() as hub:
         hub.add_folder("Qwen/Tiny-MoE", raw_checkpoints("moe-fused").path)
         shard_bytes = max(len(b) for n, b in hub.repos["Qwen/Tiny-MoE"].files.items() if n.endswith(".safetensors"))
         hub.bytes_per_s = shard_bytes / 30
+        hub.throttle_ranges = bool(fetch)
+        shards = sum(1 for n in hub.repos["Qwen/Tiny-MoE"].files if n.endswith(".safetensors"))
         env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_DISABLE_TELEMETRY="1",
                    COLUMNS="250")
         env.pop("HF_TOKEN", None)
         out = tmp_path / "out"
         proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", "pull-and-quantize", "Qwen/Tiny-MoE", str(out),
-                                 "--stream", "--no-smoke"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 "--stream", "--no-smoke", *fetch], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, env=env)
         with group_killed_on_exit(proc):
-            whole_shard = lambda: any(r.method == "GET" and r.range is None and r.path.endswith(".safetensors")  # noqa: E731
-                                      for r in hub.log)
-            wait_for(whole_shard, 60, proc)
+            gets = lambda: [r for r in hub.log if r.method == "GET" and r.path.endswith(".safetensors")]  # noqa: E731
+            if fetch:  # past the stubs' two header requests per shard: tensor data
+                wait_for(lambda: len([r for r in gets() if r.range]) > 2 * shards, 60, proc)
+            else:
+                wait_for(lambda: any(r.range is None for r in gets()), 60, proc)
             time.sleep(0.5)  # well inside the download
             err, stopped_s = stop_and_wait(proc, lambda: os.killpg(proc.pid, signal.SIGINT), 60)
     assert proc.returncode == 130, err

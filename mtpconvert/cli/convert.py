@@ -38,6 +38,7 @@ PULL_EPILOG = """Examples:
   mtpconvert pull-and-quantize Qwen/Qwen3.5-397B-A17B --bits 4 --stream --upload-repo me/Qwen3.5-397B-4bit-mtp
 
   mtpconvert pull-and-quantize Qwen/Qwen3.5-27B --bits 4 --stream --prefetch-shards 0   # one raw shard on disk
+  mtpconvert pull-and-quantize Qwen/Qwen3.5-397B-A17B --bits 4 --mtp match --stream --raw-window 1   # ≤1 GB raw
 """
 
 
@@ -155,6 +156,7 @@ def pull_and_quantize(
                                          "after its last use: raw data on disk stays within the two largest "
                                          "shards (one with --prefetch-shards 0).")] = False,
     prefetch_shards: o.PrefetchShards = None,
+    raw_window: o.RawWindow = None,
     timeout: o.Timeout = 30.0,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: the download plan as JSON.")] = False,
     overwrite: o.Overwrite = False,
@@ -185,7 +187,8 @@ def pull_and_quantize(
                                                                                               smoke_mode),
                                       stream=stream, cache_dir=cache_dir, local_dir=local_dir, token=token,
                                       timeout=timeout, overwrite=overwrite, resume=resume, upload_repo=upload_repo,
-                                      private=private, prefetch_shards=prefetch_shards, events=events)
+                                      private=private, prefetch_shards=prefetch_shards,
+                                      raw_window_gb=raw_window, events=events)
     print_result(result)
     if upload_repo:
         console.print(f"[green]uploaded[/green] {upload_repo}")

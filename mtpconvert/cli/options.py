@@ -68,6 +68,10 @@ PrefetchShards = Annotated[Optional[int], typer.Option(
     "--prefetch-shards", help="With --stream: raw shards downloaded ahead of the one being converted (default 1; "
     "0: one raw shard on disk at a time, each download waits for the previous shard to be deleted).",
     show_default=False)]
+RawWindow = Annotated[Optional[float], typer.Option(
+    "--raw-window", help="With --stream: fetch raw data in byte ranges (each block's source just before it is "
+    "converted, freed once written), at most this many GB of it on disk, whatever the shard size; instead of "
+    "whole shards (--prefetch-shards).", show_default=False, metavar="GB")]
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
 
 DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, mtp_layout=MtpLayoutChoice.sidecar, max_shard_gb=5.0,

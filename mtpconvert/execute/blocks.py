@@ -9,6 +9,7 @@ blocks, not the largest tensor, and blocks can be computed in parallel.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class Block:
     @property
     def last(self) -> bool:
         return self.stop == rows(self.item)
+
+    @property
+    def key(self) -> Tuple[str, int, int]:
+        """Names the block to a source feed (``hub.stream``): the same in its plan and at execution."""
+        return (self.item.name, self.start, self.stop)
 
 
 def rows(item: PlanItem) -> int:
@@ -111,6 +117,21 @@ def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[i
         skip = item.gather.half * half_bytes
         return [(str(info.file), info.start + e * row_bytes + skip, half_shape) for e in range(a, b)]
     return [(str(info.file), info.start + a * row_bytes, (b - a, *info.shape[1:]))]
+
+
+def block_ranges(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, int]]:
+    """Byte ranges ``(file, start, end)`` of the source that ``block`` reads, whichever path reads it
+    (npquant, a direct read, MLX from the mapping: the last reads whole rows of a fused gate_up
+    but keeps only this half, so only the half's bytes need to hold data). A ranged stream
+    fetches exactly these before the block is made and frees them after it is written."""
+    item = block.item
+    if item.gather is Gather.STACK:  # one run per expert tensor
+        itemsizes = [DTYPES[ckpt.tensors[s.key].dtype][2] for s in item.sources[block.start:block.stop]]
+    else:
+        itemsizes = itertools.repeat(DTYPES[ckpt.tensors[item.sources[0].key].dtype][2])
+    ranges = [(file, offset, offset + math.prod(shape) * size)
+              for (file, offset, shape), size in zip(_source_runs(block, ckpt), itemsizes)]
+    return [r for r in ranges if r[2] > r[1]]
 
 
 def numpy_task(block: Block, ckpt: Checkpoint, reader: TensorReader) -> tuple:

@@ -186,7 +186,7 @@ def _write_block(writer: StreamingShardWriter, hashers: Hashers, block: Block, o
 
 def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader, writer: StreamingShardWriter,
                  streams: List[mx.Stream], on_item: Callable[[PlanItem], None],
-                 quantizers: Optional[QuantizerPool] = None) -> None:
+                 quantizers: Optional[QuantizerPool] = None, feed=None) -> None:
     """Produce and write ``blocks``, several at each stage at any time.
 
     Stages, all overlapping: (1) the source is read: by the ``quantizers`` worker processes
@@ -197,7 +197,9 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
     thread ``pwrite``s finished blocks at their offsets (the shard writer's flusher thread
     writes them back to disk meanwhile) and (4) hash threads add them to the shard's
     per-tensor sha256 (hashlib, pwrite and fdatasync release the GIL). ``on_item`` runs on the main
-    thread once an item's last block is on disk and hashed.
+    thread once an item's last block is on disk and hashed. A source ``feed`` (a ranged stream) is
+    asked for each block's source bytes before the block is read (``acquire``) and told when it is
+    written (``done``).
     """
     on_gpu = any(s.device != mx.cpu for s in streams)
     # (block, what is being made: a read future, a Pending npquant result, or None, and its buffer slot)
@@ -219,6 +221,8 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
             quantizers.release(pending)
         if slot is not None:
             buffers.release(slot)
+        if feed is not None:
+            feed.done(block.key)
         if block.last:
             on_item(block.item)
 
@@ -284,6 +288,10 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
                     while queued or computing or writing:
                         advance()
                     PROFILE["main: drains for the raw-shard budget"] += time.perf_counter() - t
+                if feed is not None:
+                    t = time.perf_counter()
+                    feed.acquire(block.key)
+                    PROFILE["main: waits for source ranges"] += time.perf_counter() - t
                 if quantizers is not None and quantized_in_numpy(block.item):
                     while not quantizers.has_free_slot():  # every slot holds a result not yet written
                         advance()

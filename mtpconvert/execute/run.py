@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Set
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Set, Union
 
 from .. import __version__
 from ..io.checkpoint import SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
@@ -25,12 +25,12 @@ from ..io.reader import TensorReader
 from ..io.shard_writer import StreamingShardWriter
 from ..plan import Plan, PlanItem
 from ..plan.build import MTP_FILE, MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
-from .blocks import DEFAULT_BLOCK_BYTES, item_blocks
+from .blocks import DEFAULT_BLOCK_BYTES, block_ranges, item_blocks
 from .pipeline import compute_streams, quantizer_pool, write_blocks
 from .resume import RESUME_DIR, plan_fingerprint, reusable
 
-if TYPE_CHECKING:  # a download feed; execution only calls its ensure/release
-    from ..hub.stream import ShardStream
+if TYPE_CHECKING:  # a download feed (whole shards or byte ranges); execution calls its hooks only
+    from ..hub.stream import RangeStream, ShardStream
 
 Progress = Callable[[PlanItem, int], None]
 
@@ -146,14 +146,15 @@ def execute(
     resume: bool = False,
     workers: Optional[int] = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-    stream: Optional["ShardStream"] = None,
+    stream: Optional[Union["ShardStream", "RangeStream"]] = None,
     sink: Optional[ShardSink] = None,
 ) -> ConvertResult:
     """Write the plan's output folder atomically; ``check`` runs on the finished temp folder.
 
     With ``resume``, shards finished by an interrupted run of the same plan are kept when
     their recorded sha256 still matches; everything else is rewritten. With ``stream``,
-    source shards are fetched when first read and deleted after their last use. With ``sink``,
+    source data is fetched when first read and deleted after its last use (whole shards, or each
+    block's byte ranges: ``stream.expect`` is told every block in order first). With ``sink``,
     every finished model shard is handed to it (the MTP sidecar stays: it is linked and checked).
     """
     shards = shard_order(plan)
@@ -169,6 +170,9 @@ def execute(
         except OSError as e:
             raise describe_os_error(e, out) from e
         reader = TensorReader(stream.ensure, stream.release, stream.admits) if stream else TensorReader()
+        if stream is not None:
+            stream.expect((b.key, block_ranges(b, ckpt)) for items in shards.values() for item in items
+                          for b in item_blocks(item, block_bytes))
         streams = compute_streams(workers)
         position = 0
 
@@ -198,6 +202,9 @@ def execute(
                         reused += 1
                         written += delivered
                         for item in items:
+                            if stream is not None:  # its blocks will not be made: nothing to fetch for them
+                                for b in item_blocks(item, block_bytes):
+                                    stream.done(b.key)
                             item_done(item)
                         if kept and sink is not None and shard_name != MTP_FILE:
                             sink.finished(shard_name, path, fingerprint)  # its bytes are here: the sink reads them too
@@ -205,7 +212,7 @@ def execute(
                     writer = StreamingShardWriter(path, specs, {"format": "mlx"})
                     try:
                         blocks = (b for item in items for b in item_blocks(item, block_bytes))
-                        write_blocks(blocks, ckpt, reader, writer, streams, item_done, quantizers)
+                        write_blocks(blocks, ckpt, reader, writer, streams, item_done, quantizers, feed=stream)
                         writer.close()
                         written += writer.size
                         record = {"fingerprint": fingerprint, "size": writer.size, "sha256": writer.digest()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Optional
@@ -61,10 +62,27 @@ def hub_error(e: Exception, repo_id: str, what: str) -> Exception:
     if isinstance(e, HFValidationError):
         return HubError(f"{repo_id!r} is not a valid Hub repository id: {e}", file=what,
                         hint="a Hub id is owner/name; for a local folder use the command that takes a path")
+    full = _disk_full(e)
+    if full is not None:
+        where = f" in {Path(full.filename).parent}" if getattr(full, "filename", None) else ""
+        return HubError(f"disk full while downloading {what} from {repo_id}{where}", file=what,
+                        hint="free disk space; --stream --raw-window GB keeps at most that much raw data on disk, "
+                             "whatever the shard size")
     if _network(e):
         return HubError(f"could not reach the Hub for {what} in {repo_id}: {type(e).__name__}", file=what,
                         hint="check the network / HF_ENDPOINT; downloads resume where they stopped")
     return e  # not a Hub or network failure: the CLI's error table reports it for what it is
+
+
+def _disk_full(e: BaseException) -> Optional[OSError]:
+    """The ENOSPC/EDQUOT error behind ``e`` (huggingface_hub wraps some), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _network(e: BaseException) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -41,3 +42,27 @@ def fetch_sparse(repo_id: str, sha: str, shards: Dict[str, int], dest: Path, wan
         except Exception as e:  # noqa: BLE001
             raise hub_error(e, repo_id, name) from e
     return fetched
+
+
+class RangeReader:
+    """Byte ranges of one commit's files, each an HTTP range request through ``HfFileSystem`` (its
+    retries and auth); a thread keeps its own open file per shard."""
+
+    def __init__(self, repo_id: str, sha: str, token: Optional[str] = None):
+        from huggingface_hub import HfFileSystem
+
+        self.repo_id, self.sha = repo_id, sha
+        self.fs = HfFileSystem(endpoint=endpoint(), token=token)
+        self._local = threading.local()
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        files = self._local.__dict__.setdefault("files", {})
+        try:
+            src = files.get(name)
+            if src is None:
+                src = files[name] = self.fs.open(f"{self.repo_id}/{name}", "rb", revision=self.sha, block_size=1,
+                                                 cache_type="none")
+            src.seek(start)
+            return src.read(end - start)
+        except Exception as e:  # noqa: BLE001 - one clear HubError naming the file
+            raise hub_error(e, self.repo_id, name) from e
