@@ -136,6 +136,27 @@ def check_folder(path: Path) -> CompatReport:
     return compat(read_folder(path))
 
 
+def planned_folder(plan) -> Folder:
+    """The folder ``plan`` will write, as the rules see it (headers from the plan's output specs):
+    the compat table of a conversion before any data is read."""
+    from .execute.run import index_json
+    from .io.header import st_dtype_of
+    from .plan.build import MTP_FILE, MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
+
+    headers: Dict[str, dict] = {}
+    for item in plan.items:
+        header = headers.setdefault(item.shard, {"__metadata__": {"format": "mlx"}})
+        for spec in item.outputs():
+            start = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            header[spec.key] = {"dtype": st_dtype_of(spec.dtype), "shape": list(spec.shape),
+                                "data_offsets": [start, start + spec.nbytes]}
+    manifests = {}
+    if MTP_FILE in headers:
+        headers[MTP_LINK] = headers[MTP_FILE]
+        manifests[MTP_MANIFEST] = dict(MTP_MANIFEST_BODY)
+    return Folder(config=plan.config, headers=headers, index=index_json(plan), manifests=manifests, path="(planned)")
+
+
 def runtime_table(path: Path) -> Optional[CompatReport]:
     """``check_folder``, or None where the folder cannot be read (verify reports why on its own)."""
     try:

@@ -428,11 +428,11 @@ def test_mtp_bits_8_over_a_4bit_backbone(tmp_path):
 def test_moe_mtp_match_routers(tmp_path):
     routers8 = entries("mtp.", ["mlp.gate", "mlp.shared_expert_gate"], 8)
     real = check_folder(default_layout(tmp_path, "real", moe="stacked", bits=4, routers=(8, 8), quant=Q4,
-                                       entries=routers8))  # --mtp match on a real model: 8-bit routers
+                                       entries=routers8))  # mlx-lm's 8-bit router rule applied to the head
     assert ok(real, "mtplx") == (True, False) and "ValueError: [dequantize]" in head_reason(real, "mtplx")
     assert ok(real, "vllm-mlx") == (False, False) and ok(real, "rapid-mlx") == (True, False)
     assert ok(real, "mlx-vlm") == (True, True)
-    fixture = check_folder(default_layout(tmp_path, "fx", moe="stacked", bits=4, quant=Q4))  # routers float
+    fixture = check_folder(default_layout(tmp_path, "fx", moe="stacked", bits=4, quant=Q4))  # routers float: ours
     assert ok(fixture, "mtplx") == (True, True) and "dequantized" in head_reason(fixture, "mtplx")
     assert ok(fixture, "vllm-mlx") == (True, True)
     known = check_folder(default_layout(tmp_path, "known", moe="stacked", bits=4, routers=(None, 4), quant=Q4))

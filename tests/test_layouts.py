@@ -67,3 +67,27 @@ def test_qwen35_shard_names_and_fused_backbone():
     assert items["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"].gather == "gate_half"
     assert items["mtp.layers.0.mlp.switch_mlp.gate_proj.weight"].gather == "stack"
     assert items["mtp.layers.0.mlp.switch_mlp.gate_proj.weight"].slot.shape == (256, 512, 2048)
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5-35B-A3B", "Qwen3.5-122B-A10B", "Qwen3.5-397B-A17B", "Qwen3.6-35B-A3B"])
+@pytest.mark.parametrize("mtp, mtp_bits", [("match", None), ("bits", 4)])
+def test_a_quantized_moe_head_is_one_width_for_the_runtimes_that_dequantize_it(name, mtp, mtp_bits):
+    """--mtp match / --mtp-bits on a real MoE release (hidden a multiple of 64, so mlx-lm's 8-bit router rule
+    would apply): the head's routers stay float and every quantized head module has the backbone's
+    bits/group, so mtplx and vllm-mlx (which dequantize the head with the top-level bits) can use it."""
+    from mtpconvert.compat import compat, planned_folder
+
+    ckpt = table_checkpoint(name)
+    plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4, group_size=64, mtp=mtp, mtp_bits=mtp_bits)))
+    head = {it.name: it for it in plan.items if it.name.startswith("mtp.")}
+    routers = [n for n in head if n.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))]
+    assert routers and all(head[n].quant is None for n in routers)
+    quantized = {(it.quant.bits, it.quant.group_size) for it in head.values() if it.quant is not None}
+    assert quantized == {(4, 64)} and head["mtp.fc.weight"].quant is None
+    backbone_routers = [it for it in plan.items if it.name.endswith("layers.0.mlp.gate.weight")
+                        and not it.name.startswith("mtp.")]
+    assert backbone_routers and all(it.quant.bits == 8 for it in backbone_routers)  # mlx-lm's rule, kept
+    report = compat(planned_folder(plan))
+    for runtime in ("mlx-vlm", "mtplx", "vllm-mlx"):
+        assert report.get(runtime).head_usable.ok, (runtime, report.get(runtime).head_usable.reason)
+    assert not report.get("rapid-mlx").head_usable.ok  # fc stays float: rapid-mlx wants it like the rest

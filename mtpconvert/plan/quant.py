@@ -5,7 +5,8 @@ Rules (docs/transforms.md gives the reasons):
 - routers (``mlp.gate``, ``shared_expert_gate``): 8-bit affine, group 64, as mlx-lm does;
 - a weight whose input dimension is not a multiple of the group size stays unquantized;
 - MTP: ``keep`` leaves every ``mtp.*`` tensor at ``--dtype``; ``match`` uses the
-  backbone rules; ``bits`` uses ``--mtp-bits`` (affine); ``mtp.fc`` is never quantized;
+  backbone rules; ``bits`` uses ``--mtp-bits`` (affine); ``mtp.fc`` and the head's routers are
+  never quantized;
 - vision tensors are never quantized.
 """
 
@@ -50,12 +51,13 @@ def decide(slot: Slot, opts: QuantOptions) -> Optional[QuantSpec]:
     if slot.kind not in QUANTIZABLE or slot.group == VISION or slot.kind == FC:
         return None
     if slot.group == MTP:
-        if opts.mtp == "keep":
+        # mtplx and vllm-mlx dequantize a quantized head with one bits/group for every module: an
+        # 8-bit router beside 4-bit experts fails to load there (vllm-mlx: the whole model); float
+        # costs a few MB (E x hidden)
+        if opts.mtp == "keep" or slot.kind == ROUTER:
             return None
         if opts.mtp == "bits":
             spec = QuantSpec(opts.mtp_bits, opts.group_size if opts.mode == "affine" and opts.group_size else 64)
-            if slot.kind == ROUTER:
-                spec = QuantSpec(ROUTER_SPEC_BITS, ROUTER_SPEC_GROUP)
             return spec if slot.shape[-1] % spec.group_size == 0 else None
     base = backbone_spec(opts)
     if base is None:
