@@ -438,11 +438,16 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
                events: Optional[Events] = None, **overrides) -> ConversionResult:
     """Run one recipe (a file, or the name of a bundled one): pull-and-convert with its options, then upload
-    to its repo unless ``upload=False``."""
+    to its repo unless ``upload=False``. With ``stream=True`` the recipe's ``raw_window_gb`` (else its
+    ``prefetch_shards``) is passed unless ``overrides`` names either."""
     from .recipes import find_recipe, load_recipe
 
     recipe = load_recipe(find_recipe(path))
-    if overrides.get("stream") and "prefetch_shards" not in overrides:  # the recipe's disk policy, streamed only
-        overrides["prefetch_shards"] = recipe.prefetch_shards
+    # the recipe's raw disk policy, streamed only (the two options are exclusive: one given by the caller wins)
+    if overrides.get("stream") and "prefetch_shards" not in overrides and "raw_window_gb" not in overrides:
+        if recipe.raw_window_gb is not None:
+            overrides["raw_window_gb"] = recipe.raw_window_gb
+        else:
+            overrides["prefetch_shards"] = recipe.prefetch_shards
     return pull_and_convert(recipe.repo, out, recipe.options, revision=recipe.revision, token=token,
                             upload_repo=recipe.upload_repo if upload else None, events=events, **overrides)

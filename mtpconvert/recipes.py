@@ -34,7 +34,7 @@ from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 BUNDLED = Path(__file__).parent / "data" / "recipes"
 REPO = re.compile(r"^Qwen/Qwen3\.[56]-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
-        "runner", "max_shard_gb", "prefetch_shards"}
+        "runner", "max_shard_gb", "prefetch_shards", "raw_window_gb"}
 
 
 @dataclass(frozen=True)
@@ -61,28 +61,36 @@ RUNNERS: Dict[str, Runner] = {
 @dataclass(frozen=True)
 class Release:
     """What sizes a publish job, per source release (tests/data/layouts: SOURCE.md gives the shard
-    counts, the tensor tables the rest; tools/layouts.py reads them)."""
+    counts, the configs and tensor tables the rest; tools/layouts.py reads them, tests/test_recipes.py
+    recomputes every field)."""
 
     raw_shards: int  # safetensors shards of the release (bf16): a raw shard is params * 2 / raw_shards
-    hidden: int  # lm_head is vocab x hidden
+    hidden: int  # lm_head is vocab x hidden; the MTP head's fc is hidden x 2 hidden
     head_gb: float  # the MTP head's fc, norms and layer 0 in bf16: the sidecar on disk (--mtp keep)
     layer_b: float  # parameters of the largest decoder layer, in billions
+    tensor_b: float  # parameters of the largest output tensor, in billions: the shard holding it is at least that
     moe: bool = False  # the head's layer has routed experts
 
     @property
-    def head_cpu_gb(self) -> float:
-        """The head as the layerwise smoke holds it on the CPU: as stored, plus one group of float
-        experts in float32 and the stored copy it is cast from (runtime.experts)."""
-        return self.head_gb + (SMOKE_FLOAT32_EXPERT_GB if self.moe else 0.0)
+    def head_b(self) -> float:
+        """The MTP head's parameters, in billions."""
+        return self.head_gb / 2
+
+    @property
+    def fc_b(self) -> float:
+        """``mtp.fc``'s parameters, in billions: never quantized (docs/transforms.md)."""
+        return 2 * self.hidden * self.hidden / 1e9
 
 
 RELEASES: Dict[str, Release] = {
-    "Qwen3.5-27B": Release(11, 5120, 0.85, 0.38),
-    "Qwen3.6-27B": Release(15, 5120, 0.85, 0.38),
-    "Qwen3.5-35B-A3B": Release(14, 2048, 1.69, 0.84, moe=True),
-    "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 0.84, moe=True),
-    "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 2.51, moe=True),
-    "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 6.58, moe=True),
+    # the largest output tensor: lm_head (= the embedding) in the dense and 35B-A3B releases; one layer's
+    # stacked routed experts projection (experts x moe_intermediate x hidden) in 122B-A10B and 397B-A17B
+    "Qwen3.5-27B": Release(11, 5120, 0.85, 0.38, 1.27),
+    "Qwen3.6-27B": Release(15, 5120, 0.85, 0.38, 1.27),
+    "Qwen3.5-35B-A3B": Release(14, 2048, 1.69, 0.84, 0.51, moe=True),
+    "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 0.84, 0.51, moe=True),
+    "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 2.51, 0.81, moe=True),
+    "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 6.58, 2.15, moe=True),
 }
 # runtime.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
 # before installing; a test keeps the two equal): float32 experts the smoke casts at once, plus the
@@ -90,7 +98,8 @@ RELEASES: Dict[str, Release] = {
 SMOKE_FLOAT32_EXPERT_BYTES = 512 << 20
 SMOKE_FLOAT32_EXPERT_GB = SMOKE_FLOAT32_EXPERT_BYTES * 1.5 / 1e9
 VOCAB = 248320
-STREAM_SHARD_GB = 1.0  # output shard size of a recipe run (max_shard_gb): two of them are on disk at once
+STREAM_SHARD_GB = 1.0  # output shard size of a recipe run (max_shard_gb, in GiB): two of them are on disk at once
+RANGED_BLOCKS_GB = 0.25  # with a raw window: the converter's blocks in flight, beyond the window
 MARGIN_GB = 1.0  # config, tokenizer, index, logs, filesystem slack
 
 
@@ -110,6 +119,7 @@ class Recipe:
     runner: str = "standard"
     max_shard_gb: float = STREAM_SHARD_GB
     prefetch_shards: int = 1  # --stream --prefetch-shards: raw shards downloaded ahead of the one read
+    raw_window_gb: Optional[float] = None  # --stream --raw-window: raw bytes on disk, fetched by range (not shards)
 
     @property
     def params_b(self) -> float:
@@ -117,37 +127,89 @@ class Recipe:
         return float(re.search(r"-(\d+(?:\.\d+)?)B", self.repo).group(1))
 
     @property
-    def release(self) -> Release:
-        return RELEASES[self.repo.split("/")[1]]
+    def release_name(self) -> str:
+        return self.repo.split("/")[1]
 
-    def _gb_at_bits(self, params_b: float) -> float:
-        """Stored GB of ``params_b`` billion parameters at the recipe's bits (scale and bias per group)."""
-        bits = (self.bits or 16) + (32 / (self.group_size or 64) if self.bits else 0)
-        return params_b * bits / 8
+    @property
+    def release(self) -> Release:
+        return RELEASES[self.release_name]
+
+    def _float_gb(self, params_b: float) -> float:
+        """Stored GB of ``params_b`` billion float parameters at the recipe's dtype (bf16/fp16: 2 bytes)."""
+        return params_b * (4 if self.dtype == "float32" else 2)
+
+    def _gb_at_bits(self, params_b: float, bits: Optional[int] = None, group_size: Optional[int] = None) -> float:
+        """Stored GB of ``params_b`` billion parameters at ``bits`` and ``group_size`` (default: the recipe's;
+        a scale and a bias per group), float where there are no bits."""
+        if bits is None:
+            bits, group_size = self.bits, self.group_size
+        if not bits:
+            return self._float_gb(params_b)
+        return params_b * (bits + 32 / (group_size or 64)) / 8
 
     @property
     def raw_shard_gb(self) -> float:
         """One raw (bf16) shard of the release: its size / its shard count."""
         return self.params_b * 2 / self.release.raw_shards
 
-    def disk_needed_gb(self) -> float:
-        """Peak disk of ``recipe run --stream`` with upload and smoke: each output shard is uploaded
-        and freed once the streamed smoke has run its layers, so the peak is ``1 + prefetch_shards``
-        raw shards (one read, the rest downloading ahead; no output tensor of a Qwen3.5/3.6 release
-        reads two shards, tests/test_recipes.py), two output shards (one uploading, one being
-        written), the MTP sidecar (kept to the end: linked and committed), the smoke's copy of
-        ``lm_head`` (read after the last layer) and a margin. The output's total size does not enter."""
+    @property
+    def raw_gb(self) -> float:
+        """Raw data on disk at once under ``--stream``: the window and the converter's blocks in flight when
+        fetched by range, else ``1 + prefetch_shards`` whole raw shards."""
+        if self.raw_window_gb is not None:
+            return self.raw_window_gb + RANGED_BLOCKS_GB
+        return (1 + self.prefetch_shards) * self.raw_shard_gb
+
+    @property
+    def output_shard_gb(self) -> float:
+        """The largest output shard: ``max_shard_gb`` (GiB), or the largest output tensor at the recipe's bits
+        where that is larger (a tensor, with its scales and biases, never spans shards: ``plan.build``)."""
+        return max(self.max_shard_gb * (1 << 30) / 1e9, self._gb_at_bits(self.release.tensor_b))
+
+    @property
+    def head_gb(self) -> float:
+        """The MTP head as written: float with ``mtp = "keep"``; with ``match`` at the backbone's bits, with
+        ``mtp_bits`` at those bits (the recipe's group when affine, else 64, as ``plan.quant``), except ``mtp.fc``,
+        which stays float. Its norms (float) and routers (8-bit) are counted at the head's bits: under 0.01 GB."""
         r = self.release
-        return ((1 + self.prefetch_shards) * self.raw_shard_gb + 2 * self.max_shard_gb + r.head_gb
-                + self._gb_at_bits(VOCAB * r.hidden / 1e9) + MARGIN_GB)
+        if self.mtp == "drop":
+            return 0.0
+        if self.mtp_bits is not None:
+            bits, group = self.mtp_bits, (self.group_size if self.q_mode == "affine" and self.group_size else 64)
+        elif self.mtp == "match":
+            bits, group = self.bits, self.group_size
+        else:
+            return self._float_gb(r.head_b)
+        return self._float_gb(r.fc_b) + self._gb_at_bits(r.head_b - r.fc_b, bits, group)
+
+    @property
+    def head_cpu_gb(self) -> float:
+        """The head as the layerwise smoke holds it on the CPU: as written, plus for float routed experts one
+        group of them in float32 and the stored copy it is cast from (runtime.experts); quantized experts run
+        as stored."""
+        float_experts = self.release.moe and self.mtp == "keep" and self.mtp_bits is None
+        return self.head_gb + (SMOKE_FLOAT32_EXPERT_GB if float_experts else 0.0)
+
+    @property
+    def lm_head_gb(self) -> float:
+        """``lm_head`` (or the tied embedding) at the recipe's bits."""
+        return self._gb_at_bits(VOCAB * self.release.hidden / 1e9)
+
+    def disk_needed_gb(self) -> float:
+        """Peak disk of ``recipe run --stream`` with upload and smoke: each output shard is uploaded and freed
+        once the streamed smoke has read it (``runtime.streamed``: it runs the layers the shard completes and
+        reads the layer still in progress, the final norm and ``lm_head`` into memory), so the peak is the raw
+        data (``raw_gb``), two output shards (one uploading, one being written: ``output_shard_gb`` each), the
+        MTP sidecar at its precision (kept to the end: linked and committed) and a margin. The output's total
+        size does not enter."""
+        return self.raw_gb + 2 * self.output_shard_gb + self.head_gb + MARGIN_GB
 
     def memory_needed_gb(self) -> float:
-        """Peak memory of the layerwise smoke (docs/smoke.md): the larger of the largest decoder layer at
-        the recipe's bits and the MTP head as held on the CPU (as stored, float experts cast to float32 one
-        bounded group at a time: ``Release.head_cpu_gb``), plus ~0.5 GB of activations and lm_head block
-        and ~1 GB for the converter running beside it."""
-        r = self.release
-        return max(self._gb_at_bits(r.layer_b), r.head_cpu_gb) + 1.5
+        """Peak memory of the streamed layerwise smoke (docs/smoke.md): the larger of the largest decoder layer at
+        the recipe's bits and the MTP head as held on the CPU (``head_cpu_gb``), plus ``lm_head`` at the recipe's
+        bits (held from its shard to the end), plus ~0.5 GB of activations and lm_head block and ~1 GB for the
+        converter running beside it."""
+        return max(self._gb_at_bits(self.release.layer_b), self.head_cpu_gb) + self.lm_head_gb + 1.5
 
     @property
     def quant(self) -> QuantOptions:
@@ -169,8 +231,18 @@ class Recipe:
         if self.keep_vision:
             args.append("--keep-vision")
         if stream:
-            args += ["--stream", "--prefetch-shards", str(self.prefetch_shards)]
+            args.append("--stream")
+            args += (["--raw-window", f"{self.raw_window_gb:g}"] if self.raw_window_gb is not None
+                     else ["--prefetch-shards", str(self.prefetch_shards)])
         return args
+
+    @property
+    def raw_policy(self) -> str:
+        """What ``--stream`` keeps of the raw release on disk, in words: "2 shards", "1 GB window"."""
+        if self.raw_window_gb is not None:
+            return f"{self.raw_window_gb:g} GB window"
+        shards = 1 + self.prefetch_shards
+        return f"{shards} shard{'s' if shards != 1 else ''}"
 
 
 def load_recipe(path: Path) -> Recipe:
@@ -191,9 +263,12 @@ def load_recipe(path: Path) -> Recipe:
             raise OptionsError(f"{key} must be a {want.__name__}", file=path, key=key)
     if "prefetch_shards" in data and (type(data["prefetch_shards"]) is not int or data["prefetch_shards"] < 0):
         raise OptionsError("prefetch_shards must be an integer, 0 or more", file=path, key="prefetch_shards")
-    if "max_shard_gb" in data and (isinstance(data["max_shard_gb"], bool) or not isinstance(data["max_shard_gb"], (int, float))
-                                   or data["max_shard_gb"] <= 0):
-        raise OptionsError("max_shard_gb must be a positive number", file=path, key="max_shard_gb")
+    for key in ("max_shard_gb", "raw_window_gb"):
+        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], (int, float)) or data[key] <= 0):
+            raise OptionsError(f"{key} must be a positive number", file=path, key=key)
+    if "raw_window_gb" in data and "prefetch_shards" in data:
+        raise OptionsError("raw_window_gb and prefetch_shards are exclusive (a ranged fetch holds no whole shard)",
+                           file=path, key="raw_window_gb")
     if data.get("repo", "").split("/")[-1] not in RELEASES:
         raise OptionsError(f"no runner sizing for {data['repo']}: add it to recipes.RELEASES", file=path, key="repo")
     if data.get("mtp", "keep") not in ("keep", "match", "drop"):
@@ -248,8 +323,9 @@ def runner_labels(overrides_json: str = "") -> Dict[str, str]:
 
 def workflow_matrix(pattern: str, runner: str = "recipe", labels: Optional[Dict[str, str]] = None) -> List[dict]:
     """One job per recipe file matching ``pattern``: the file, the runner label it runs on (the recipe's
-    own size, or ``runner`` for all of them) and the raw shards its streamed pull holds at once
-    (``1 + prefetch_shards``: ``recipe run --stream`` applies the recipe's own, this shows it)."""
+    own size, or ``runner`` for all of them) and what its streamed pull holds of the raw release at once
+    (``raw``: "1 GB window" or "2 shards", ``Recipe.raw_policy``; ``recipe run --stream`` applies the
+    recipe's own, this shows it)."""
     files = sorted(glob.glob(pattern))
     if not files:
         raise OptionsError("no recipe matches", file=pattern)
@@ -260,7 +336,7 @@ def workflow_matrix(pattern: str, runner: str = "recipe", labels: Optional[Dict[
     for f in files:
         recipe = load_recipe(Path(f))
         size = recipe.runner if runner == "recipe" else runner
-        jobs.append({"recipe": f, "size": size, "runs_on": labels[size], "raw_shards": 1 + recipe.prefetch_shards})
+        jobs.append({"recipe": f, "size": size, "runs_on": labels[size], "raw": recipe.raw_policy})
     return jobs
 
 

@@ -117,9 +117,13 @@ def test_layerwise_result_is_identical_to_casting_the_whole_stack(moe_bf16, monk
 
 
 def test_recipes_size_runners_with_the_smokes_float32_budget():
-    from mtpconvert.recipes import RELEASES, SMOKE_FLOAT32_EXPERT_BYTES
+    from mtpconvert.recipes import BUNDLED, SMOKE_FLOAT32_EXPERT_BYTES, load_recipe
 
     assert SMOKE_FLOAT32_EXPERT_BYTES == experts.FLOAT32_EXPERT_BUDGET_BYTES  # recipes.py cannot import mlx
-    moe, dense = RELEASES["Qwen3.5-397B-A17B"], RELEASES["Qwen3.5-27B"]
-    assert moe.head_gb < moe.head_cpu_gb <= moe.head_gb + 1.5 * SMOKE_FLOAT32_EXPERT_BYTES / 1e9
+    float_moe = load_recipe(BUNDLED / "Qwen3.5-122B-A10B-4bit-bf16.toml")  # --mtp keep: bf16 experts
+    quantized_moe = load_recipe(BUNDLED / "Qwen3.5-397B-A17B-4bit-bf16.toml")  # --mtp match
+    dense = load_recipe(BUNDLED / "Qwen3.5-27B-4bit-bf16.toml")
+    assert float_moe.mtp == "keep" and quantized_moe.mtp == "match"
+    assert float_moe.head_gb < float_moe.head_cpu_gb <= float_moe.head_gb + 1.5 * SMOKE_FLOAT32_EXPERT_BYTES / 1e9
+    assert quantized_moe.head_cpu_gb == quantized_moe.head_gb  # quantized experts run as stored: nothing cast
     assert dense.head_cpu_gb == dense.head_gb  # no experts: nothing cast

@@ -1,18 +1,26 @@
 """Every recipe parses and names a valid configuration; the publish workflow is well formed."""
 
 import json
+import math
 import os
+import re
 import subprocess
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 import yaml
 
+import layouts
 import pytest
 from typer.testing import CliRunner
 
+from mtpconvert import api
 from mtpconvert.cli import app
 from mtpconvert.errors import OptionsError
-from mtpconvert.recipes import RUNNERS, list_recipes, load_recipe, runner_labels, workflow_matrix
+from mtpconvert.plan import build_plan
+from mtpconvert.plan.build import MTP_FILE
+from mtpconvert.recipes import RELEASES, RUNNERS, VOCAB, list_recipes, load_recipe, runner_labels, workflow_matrix
+from test_layouts import table_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -31,7 +39,10 @@ def test_every_recipe_is_valid():
         r.quant.validated()
         text = r.path.read_text()
         assert "# Why:" in text, f"{r.path.name} must document its reasons"
-        assert r.mtp == "keep" and r.upload_repo
+        assert r.upload_repo and r.mtp_bits is None  # a head at other bits than the backbone's: vllm-mlx cannot load it
+        assert r.mtp in ("keep", "match")
+        if r.mtp == "match":  # the runtimes a float fc beside quantized layers shuts out are named
+            assert "rapid-mlx" in text and "--mtp match" in text, r.path.name
 
 
 @pytest.mark.parametrize("body, key", [
@@ -43,6 +54,11 @@ def test_every_recipe_is_valid():
     ('repo = "Qwen/Qwen3.5-27B"\nprefetch_shards = -1\n', "prefetch_shards"),
     ('repo = "Qwen/Qwen3.5-27B"\nprefetch_shards = true\n', "prefetch_shards"),
     ('repo = "Qwen/Qwen3.5-27B"\nprefetch_shards = 0.5\n', "prefetch_shards"),
+    ('repo = "Qwen/Qwen3.5-27B"\nraw_window_gb = 0\n', "raw_window_gb"),
+    ('repo = "Qwen/Qwen3.5-27B"\nraw_window_gb = -1.5\n', "raw_window_gb"),
+    ('repo = "Qwen/Qwen3.5-27B"\nraw_window_gb = true\n', "raw_window_gb"),
+    ('repo = "Qwen/Qwen3.5-27B"\nraw_window_gb = "1"\n', "raw_window_gb"),
+    ('repo = "Qwen/Qwen3.5-27B"\nraw_window_gb = 1\nprefetch_shards = 0\n', "raw_window_gb"),
     ('repo = ', None),
 ])
 def test_bad_recipes_are_refused_with_file_and_key(tmp_path, body, key):
@@ -107,24 +123,111 @@ def smallest_runner(r) -> str:
 
 
 def test_every_recipe_runs_on_the_smallest_runner_with_the_disk_and_memory_it_needs():
-    """--stream --upload-repo with the streamed smoke: 1 + prefetch_shards raw shards + two output shards, the
-    head, lm_head's copy; memory: the largest layer or the head as the layerwise smoke holds it. A recipe holds
-    one raw shard (prefetch_shards = 0: downloads no longer overlap conversion) only where two would need a
-    larger runner."""
-    for r in list_recipes(ROOT / "recipes"):
-        assert r.runner in RUNNERS and r.runner in r.path.read_text(), r.path.name
-        assert r.runner == smallest_runner(r), (r.path.name, r.runner, r.disk_needed_gb(), r.memory_needed_gb())
-        if r.prefetch_shards == 0:
-            assert smallest_runner(replace(r, prefetch_shards=1)) != r.runner, r.path.name  # needed, not habit
+    """--stream --upload-repo with the streamed smoke: disk is the raw data (1 + prefetch_shards whole shards, or a
+    window fetched by range), two output shards and the MTP sidecar at its precision; memory the largest layer or
+    the head as the layerwise smoke holds it, plus lm_head. Each way of holding less — one raw shard, a raw window,
+    a window under 1 GB, a quantized head — is used only where the cheaper-to-run choice needs a larger runner.
+    The recipe's comment states its numbers."""
+    recipes = list_recipes(ROOT / "recipes")
+    for r in recipes:
+        name, need = r.path.name, (r.disk_needed_gb(), r.memory_needed_gb())
+        assert r.runner == smallest_runner(r), (name, r.runner, need)
+        stated = re.search(r'^runner = "(\w+)"  # ~([\d.]+) GB of disk, ~([\d.]+) GB of memory', r.path.read_text(),
+                           re.M)
+        assert stated and stated.group(1) == r.runner, name
+        assert (float(stated.group(2)), float(stated.group(3))) == pytest.approx(need, abs=0.05), (name, need)
+        if r.raw_window_gb is not None:
+            assert smallest_runner(replace(r, raw_window_gb=None, prefetch_shards=0)) != r.runner, name  # needed
+            if r.raw_window_gb < 1:
+                assert smallest_runner(replace(r, raw_window_gb=1)) != r.runner, name
+        elif r.prefetch_shards == 0:
+            assert smallest_runner(replace(r, prefetch_shards=1)) != r.runner, name  # needed, not habit
         else:
-            assert smallest_runner(replace(r, prefetch_shards=0)) == r.runner, r.path.name  # would win nothing
-    sizes = {r.path.name: (r.runner, r.prefetch_shards) for r in list_recipes(ROOT / "recipes")}
-    assert sizes["Qwen3.6-27B-8bit-bf16.toml"] == ("standard", 1)  # 3.6 GB raw shards: two fit
-    for name in ("Qwen3.5-27B", "Qwen3.5-35B-A3B"):  # two 5 GB raw shards: 14.4-15.2 GB > 14; one: 9.5-10.2
-        assert {v for k, v in sizes.items() if k.startswith(name + "-")} == {("standard", 0)}
-    assert sizes["Qwen3.5-122B-A10B-4bit-bf16.toml"] == ("large", 1)  # 6.3 GB shard + 5 GB head: 14.7 > 14 even with one
-    # the head as stored (13.2 GB bf16) + one bounded group of float32 experts: 15.5 GB fits 16; disk 25-34 GB
-    assert sizes["Qwen3.5-397B-A17B-4bit-bf16.toml"] == ("large", 1)
+            assert smallest_runner(replace(r, prefetch_shards=0)) == r.runner, name  # would win nothing
+        if r.mtp != "keep":
+            assert smallest_runner(replace(r, mtp="keep")) != r.runner, name  # the float head does not fit
+    assert {r.runner for r in recipes} == {"standard"}  # issue #16: every release, 27B to 397B, on the standard runner
+
+
+def test_the_docs_state_each_recipes_computed_disk_and_memory():
+    """docs/hub.md "Recipes and CI": one row per release and bits, naming its dtypes; the bold numbers are
+    disk_needed_gb and memory_needed_gb."""
+    doc = (ROOT / "docs" / "hub.md").read_text()
+    for r in list_recipes(ROOT / "recipes"):
+        dtype = {"bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+        row = re.search(rf"^\| {re.escape(r.release_name)} {r.bits}-bit [^|]*\b{dtype}\b[^|]*\|.*$", doc, re.M)
+        assert row, r.path.name
+        stated = [float(x) for x in re.findall(r"\*\*([\d.]+)\*\*", row.group(0))]
+        assert stated == pytest.approx([r.disk_needed_gb(), r.memory_needed_gb()], abs=0.05), r.path.name
+
+
+SOURCE_MD = (layouts.LAYOUTS / "SOURCE.md").read_text()
+
+
+@pytest.mark.parametrize("name", sorted(RELEASES))
+def test_release_numbers_are_the_vendored_layouts(name):
+    """Every Release field, recomputed from the published config, tensor table and shard count (SOURCE.md)."""
+    release, config = RELEASES[name], layouts.config(name)
+    text = config.get("text_config", config)
+    rows = list(layouts.rows(name))
+    layers = Counter()
+    for key, shape, _, _ in rows:
+        m = re.match(r"model\.language_model\.layers\.(\d+)\.", key)
+        if m:
+            layers[m.group(1)] += math.prod(shape)
+    plan = build_plan(table_checkpoint(name))
+    largest = max(math.prod(it.slot.shape) for it in plan.items)  # output tensors: fused raw experts are split
+    assert release.raw_shards == int(re.search(rf"^\| {re.escape(name)} \|.*\| (\d+): ", SOURCE_MD, re.M).group(1))
+    assert release.hidden == text["hidden_size"] and text["vocab_size"] == VOCAB
+    assert release.head_gb == round(sum(math.prod(s) for k, s, _, _ in rows if k.startswith("mtp.")) * 2 / 1e9, 2)
+    assert release.layer_b == round(max(layers.values()) / 1e9, 2)
+    assert release.moe == ("num_experts" in text)
+    # one layer's stacked routed experts projection, or lm_head / the embedding where that is larger (35B-A3B)
+    experts = text.get("num_experts", 0) * text.get("moe_intermediate_size", 0) * text["hidden_size"]
+    assert release.tensor_b == round(largest / 1e9, 2) == round(max(experts, VOCAB * text["hidden_size"]) / 1e9, 2)
+    assert release.fc_b * 1e9 == math.prod(next(s for k, s, _, _ in rows if k == "mtp.fc.weight"))
+
+
+def test_recipe_sizes_are_the_converters_plan():
+    """The terms of disk_needed_gb and memory_needed_gb against the plan the converter makes of each release's
+    published tensor table with the recipe's options: the head as written (at its precision, fc float), the largest
+    output tensor, the largest two consecutive output shards (what is on disk while one uploads and the next is
+    written), lm_head and the largest layer at the recipe's bits."""
+    for r in list_recipes(ROOT / "recipes"):
+        plan = build_plan(table_checkpoint(r.release_name), r.options)
+        shards, layers = Counter(), Counter()
+        for it in plan.items:
+            shards[it.shard] += it.out_bytes
+            m = re.match(r"language_model\.model\.layers\.(\d+)\.", it.name)
+            if m:
+                layers[m.group(1)] += it.out_bytes
+        head = shards.pop(MTP_FILE)
+        order = sorted(shards)
+        pair = max(shards[a] + shards[b] for a, b in zip(order, order[1:]))
+        largest = max(it.out_bytes for it in plan.items if it.shard != MTP_FILE)
+        lm_head = next(it.out_bytes for it in plan.items if it.name == "language_model.lm_head.weight")
+        name = r.path.name
+        # within what Release's rounding to 0.01 (GB or billion parameters) can move a size
+        assert r.head_gb == pytest.approx(head / 1e9, abs=0.006), name
+        assert r._gb_at_bits(r.release.tensor_b) == pytest.approx(largest / 1e9, abs=0.006), name
+        assert pair / 1e9 <= 2 * r.output_shard_gb + 0.006, name
+        assert r.lm_head_gb == pytest.approx(lm_head / 1e9, abs=0.006), name
+        assert r._gb_at_bits(r.release.layer_b) == pytest.approx(max(layers.values()) / 1e9, abs=0.011), name
+
+
+def test_head_precision_sizes_the_sidecar(tmp_path):
+    """keep: the float head; match: the backbone's bits, fc float; mtp_bits: those bits. Under the same bits and
+    group, match and mtp_bits are the same size."""
+    f = tmp_path / "r.toml"
+    f.write_text('repo = "Qwen/Qwen3.5-397B-A17B"\nbits = 4\ngroup_size = 64\n')
+    keep = load_recipe(f)
+    match, bits8 = replace(keep, mtp="match"), replace(keep, mtp_bits=8)
+    assert keep.head_gb == keep.release.head_gb and keep.head_cpu_gb > keep.head_gb  # float experts cast on the CPU
+    assert match.head_gb < bits8.head_gb < keep.head_gb and match.head_cpu_gb == match.head_gb
+    assert bits8.head_gb == pytest.approx(replace(keep, bits=8, mtp="match").head_gb)
+    assert match.head_gb > match.release.head_b * 4.5 / 8  # fc stays float
+    assert replace(keep, mtp="drop").head_gb == 0
+    assert keep.disk_needed_gb() - match.disk_needed_gb() == pytest.approx(keep.head_gb - match.head_gb)
 
 
 def test_recipe_output_shard_size_reaches_the_command(tmp_path):
@@ -149,15 +252,18 @@ def test_unknown_runner_is_refused(tmp_path):
 def test_workflow_matrix(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     jobs = workflow_matrix("recipes/Qwen3.5-27B-4bit-*.toml")
-    assert jobs == [{"recipe": f"recipes/Qwen3.5-27B-4bit-{d}.toml", "size": "standard",
-                     "runs_on": RUNNERS["standard"].label, "raw_shards": 1} for d in ("bf16", "fp16")]
-    assert [j["raw_shards"] for j in workflow_matrix("recipes/Qwen3.6-27B-4bit-*.toml")] == [2, 2]
+    assert [(j["recipe"], j["size"], j["runs_on"]) for j in jobs] == [
+        (f"recipes/Qwen3.5-27B-4bit-{d}.toml", "standard", RUNNERS["standard"].label) for d in ("bf16", "fp16")]
     labels = runner_labels('{"xlarge": "org-8core"}')
     assert workflow_matrix("recipes/Qwen3.5-27B-4bit-bf16.toml", "xlarge", labels)[0]["runs_on"] == "org-8core"
     with pytest.raises(OptionsError):
         workflow_matrix("recipes/nothing-*.toml")
     with pytest.raises(OptionsError):
         runner_labels('{"giant": "x"}')
+    # the raw disk policy each job's name shows
+    for stem, body in (("a", "prefetch_shards = 0\n"), ("b", ""), ("c", "raw_window_gb = 1.5\n")):
+        (tmp_path / f"{stem}.toml").write_text(f'repo = "Qwen/Qwen3.5-27B"\nbits = 4\n{body}')
+    assert [j["raw"] for j in workflow_matrix(str(tmp_path / "*.toml"))] == ["1 shard", "2 shards", "1.5 GB window"]
 
 
 def test_publish_workflow(tmp_path):
@@ -182,11 +288,12 @@ def test_publish_workflow(tmp_path):
         out = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True,
                              env={"PATH": os.environ["PATH"], "PYTHONPATH": "."})
         assert out.returncode == 0, out.stderr
-        return [(j["size"], j["raw_shards"]) for j in json.loads(out.stdout.removeprefix("include="))]
+        return [(j["size"], j["raw"]) for j in json.loads(out.stdout.removeprefix("include="))]
 
-    assert matrix("Qwen3.5-397B-A17B-4bit-*") == [("large", 2), ("large", 2)]
-    assert matrix("Qwen3.5-35B-A3B-8bit-*") == [("standard", 1)]  # prefetch_shards = 0: one raw shard
-    assert "matrix.raw_shards" in publish["name"] and "matrix.size" in publish["name"]
+    for glob in ("Qwen3.5-397B-A17B-4bit-*", "Qwen3.5-35B-A3B-8bit-*"):  # a raw window; one whole raw shard
+        recipes = sorted((ROOT / "recipes").glob(f"{glob}.toml"))
+        assert matrix(glob) == [(r.runner, r.raw_policy) for r in map(load_recipe, recipes)]
+    assert "${{ matrix.raw }}" in publish["name"] and "${{ matrix.size }}" in publish["name"]
 
     # recipe run takes what the workflow passes it
     result = runner.invoke(app, ["recipe", "run", "--help"])
@@ -200,3 +307,30 @@ def test_recipe_prefetch_reaches_the_streamed_command(tmp_path):
     assert r.prefetch_shards == 0 and "--prefetch-shards" not in r.cli_args()  # a plain pull has no stream
     assert r.cli_args(stream=True)[-3:] == ["--stream", "--prefetch-shards", "0"]
     assert replace(r, prefetch_shards=1).disk_needed_gb() - r.disk_needed_gb() == pytest.approx(r.raw_shard_gb)
+
+
+def test_recipe_raw_window_reaches_the_streamed_command(tmp_path):
+    f = tmp_path / "r.toml"
+    f.write_text('repo = "Qwen/Qwen3.5-122B-A10B"\nbits = 4\nraw_window_gb = 1.5\n')
+    r = load_recipe(f)
+    assert r.raw_window_gb == 1.5 and "--raw-window" not in r.cli_args()
+    assert r.cli_args(stream=True)[-3:] == ["--stream", "--raw-window", "1.5"]
+    assert "--prefetch-shards" not in r.cli_args(stream=True)
+    # the window, not the release's shard size, is what raw data costs on disk
+    assert replace(r, raw_window_gb=0.5).disk_needed_gb() == pytest.approx(r.disk_needed_gb() - 1)
+    big = replace(r, repo="Qwen/Qwen3.5-397B-A17B")
+    assert big.raw_shard_gb > r.raw_shard_gb and big.raw_gb == r.raw_gb
+
+
+def test_recipe_run_passes_the_recipes_raw_policy_when_streaming(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(api, "pull_and_convert", lambda repo, out, options, **kwargs: calls.append(kwargs))
+    window, shards = tmp_path / "window.toml", tmp_path / "shards.toml"
+    window.write_text('repo = "Qwen/Qwen3.5-122B-A10B"\nbits = 4\nraw_window_gb = 1.5\n')
+    shards.write_text('repo = "Qwen/Qwen3.5-27B"\nbits = 4\nprefetch_shards = 0\n')
+    api.run_recipe(window, stream=True)
+    api.run_recipe(shards, stream=True)
+    api.run_recipe(window)  # not streamed: neither option
+    api.run_recipe(window, stream=True, prefetch_shards=2)  # the caller's choice replaces the recipe's
+    policy = [{k: c[k] for k in ("raw_window_gb", "prefetch_shards") if k in c} for c in calls]
+    assert policy == [{"raw_window_gb": 1.5}, {"prefetch_shards": 0}, {}, {"prefetch_shards": 2}]

@@ -1,5 +1,6 @@
-"""The layerwise smoke fed shard by shard (runtime/streamed.py): the post-hoc check's numbers, shards
-freed as they go, and a broken head stops the streamed publish before its commit."""
+"""The layerwise smoke fed shard by shard (runtime/streamed.py): the post-hoc check's numbers, each shard
+freed as it is fed (what the check reads later is in memory, or for an in-model head in a copy), and a
+broken head stops the streamed publish before its commit."""
 
 import json
 import shutil
@@ -15,8 +16,9 @@ from mtpconvert.checks import Checks
 from mtpconvert.cli import app
 from mtpconvert.fixture.text import text_fixture_path
 from mtpconvert.options import ConvertOptions, QuantOptions
-from mtpconvert.runtime.layerwise import layerwise_acceptance
-from mtpconvert.runtime.streamed import SMOKE_DIR, StreamedLayerwise
+from mtpconvert.hub.publish import stub_in_place
+from mtpconvert.runtime.layerwise import layerwise_acceptance, unit_of
+from mtpconvert.runtime.streamed import SMOKE_DIR, StreamedLayerwise, shards_by_unit
 from test_hub import hub, shards_holding_data  # noqa: F401  (the loopback Hub fixture)
 
 runner = CliRunner()
@@ -25,29 +27,38 @@ PUBLISH_ARGS = ["--bits", "4", "--group-size", "32", "--max-shard-size", "0.0003
 PROMPT_TOKENS = 48
 
 
-def converted(tmp_path: Path, name: str) -> Path:
+def converted(tmp_path: Path, name: str, mtp_layout: str = "sidecar") -> Path:
     out = tmp_path / name
     api.convert(text_fixture_path(name), out, ConvertOptions(quant=QuantOptions(bits=4, group_size=32),
-                                                             max_shard_bytes=SHARD_BYTES),
+                                                             max_shard_bytes=SHARD_BYTES, mtp_layout=mtp_layout),
                 checks=Checks(verify=False, smoke=False))
     return out
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
-def test_streamed_equals_the_post_hoc_check_and_releases_shards_in_order(tmp_path, name):
-    out = converted(tmp_path, name)
+@pytest.mark.parametrize("name, mtp_layout", [("dense", "sidecar"), ("moe", "sidecar"), ("moe", "in-model")])
+def test_streamed_equals_the_post_hoc_check_with_each_shard_freed_as_it_is_fed(tmp_path, name, mtp_layout):
+    """Each shard is stubbed (as the publisher frees it) as soon as feed returns it, and feed returns it at once:
+    lm_head (written first, read last), the final norm and the parts of a layer spanning shards are read into
+    memory; only an in-model head is copied to disk. The numbers are still the post-hoc check's."""
+    out = converted(tmp_path, name, mtp_layout)
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     shards = sorted(set(weight_map.values()))  # model-0000k-of-N: the order execute writes them
-    assert len(shards) >= 5, shards
+    layer_spans = [len(v) for unit, v in shards_by_unit(weight_map).items() if unit.startswith("layer")]
+    assert len(shards) >= 5 and max(layer_spans) >= (3 if name == "moe" else 2), shards  # a layer spans shards
+    lm_head_shard = weight_map["language_model.lm_head.weight"]
+    assert lm_head_shard == shards[0]
+    head_shards = sorted({s for k, s in weight_map.items() if unit_of(k) == "mtp"})
+    assert bool(head_shards) == (mtp_layout == "in-model")
     posthoc = layerwise_acceptance(out, max_prompt_tokens=PROMPT_TOKENS)
 
     streamed = StreamedLayerwise(weight_map, max_prompt_tokens=PROMPT_TOKENS)
-    released = []
-    for k, shard in enumerate(shards):
-        released += streamed.feed(shard, out / shard)
-        assert set(shards[:max(0, k - 1)]) <= set(released), (shard, released)  # at most the last two are still needed
-    assert released == shards  # each once, in order
-    assert (out / SMOKE_DIR / shards[0]).is_file()  # lm_head (first shard) copied out: read after the last layer
+    for shard in shards:
+        assert streamed.feed(shard, out / shard) == [shard]
+        stub_in_place(out / shard)
+    assert streamed.most_held == 0
+    stub = mx.load(str(out / lm_head_shard))
+    assert not any(mx.any(v).item() for v in stub.values())  # lm_head's bytes are a hole: not readable from the file
+    assert sorted(p.name for p in (out / SMOKE_DIR).glob("*")) == head_shards
     result = streamed.finish()
     assert not (out / SMOKE_DIR).exists()
     assert (result.agreed, result.compared) == (posthoc.agreed, posthoc.compared)

@@ -68,9 +68,9 @@ def recipe_run(
                                                 show_default=False)] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the download plan only.")] = False,
     no_upload: Annotated[bool, typer.Option("--no-upload", help="Convert but do not upload.")] = False,
-    stream: Annotated[bool, typer.Option("--stream", help="Fetch each raw shard when first needed and delete it "
-                                         "after its last use (pull-and-quantize --stream, with the recipe's "
-                                         "prefetch_shards).")] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Fetch raw data when first needed and delete it after "
+                                         "its last use (pull-and-quantize --stream, with the recipe's "
+                                         "raw_window_gb or prefetch_shards).")] = False,
     resume: o.Resume = False,
     smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     token: o.Token = None,

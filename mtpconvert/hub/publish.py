@@ -21,9 +21,10 @@ stub is there and whose object the Hub still reports holding.
 The smoke needs the weights, and no Hub API serves an object before it is committed. With a
 ``consumer`` (``runtime.streamed.StreamedLayerwise``: the layerwise smoke fed shard by shard) each
 finished shard is fed to it first, and a shard is stubbed once it is both uploaded and released
-by the consumer (it has run every layer the shard holds): disk stays two output shards, the
-sidecar and the consumer's copies of the tensors it reads last. With ``keep_files`` (the full
-smoke, which loads the whole folder) shards are kept until the end.
+by the consumer (it no longer reads from it: it has run the layers the shard completes and holds in
+memory what it reads later): disk stays two output shards and the sidecar (plus the consumer's copy
+of an in-model head). With ``keep_files`` (the full smoke, which loads the whole folder) shards are
+kept until the end.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -448,6 +448,7 @@ class _Folder:
         self.headers = []
         self.infos: Dict[str, TensorInfo] = {}
         self.weights: Dict[str, mx.array] = {}
+        self.in_memory: Set[str] = set()  # keys of ``weights`` read into memory by ``hold``: their file may go
         self.reader = TensorReader()
         self.read_bytes = 0
         self.add(files)
@@ -465,9 +466,17 @@ class _Folder:
             lazy.update(mx.load(str(f)))
         self.weights.update(self.shell.sanitize(lazy))
 
+    def hold(self, keys: Sequence[str]) -> None:
+        """Read the tensors ``keys`` into memory now, so that their file may be deleted before they are used
+        (``forget`` keeps them; rows are then read from memory)."""
+        arrays = [self.weights[k] for k in keys if k in self.weights]
+        mx.eval(*arrays)
+        self.in_memory.update(k for k in keys if k in self.weights)
+
     def forget(self, file: Path) -> None:
-        """Drop the lazy tensors still open from ``file`` (about to be deleted): none may be read after."""
-        for k in [k for k, t in self.infos.items() if t.file == Path(file)]:
+        """Drop the lazy tensors still open from ``file`` (about to be deleted): none may be read after.
+        Tensors read into memory (``hold``) stay."""
+        for k in [k for k, t in self.infos.items() if t.file == Path(file) and k not in self.in_memory]:
             self.weights.pop(k, None)
 
     # -- rows of the big shared tensors, straight from the file
@@ -480,6 +489,11 @@ class _Folder:
 
     def gather_rows(self, key: str, rows: np.ndarray) -> mx.array:
         info = self._info(key)
+        if key in self.in_memory:
+            picked = self.weights[key][mx.array(rows)]
+            mx.eval(picked)
+            self.read_bytes += picked.nbytes
+            return picked
         view = self.reader.view_rows(info, 0, info.shape[0])
         picked = np.take(view, rows, axis=0)
         del view
@@ -489,7 +503,8 @@ class _Folder:
         return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
 
     def read_rows(self, key: str, start: int, stop: int) -> mx.array:
-        arr = self.reader.read_rows(self._info(key), start, stop)
+        info = self._info(key)
+        arr = self.weights[key][start:stop] if key in self.in_memory else self.reader.read_rows(info, start, stop)
         self.read_bytes += arr.nbytes
         return arr
 
