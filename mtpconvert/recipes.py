@@ -101,6 +101,9 @@ VOCAB = 248320
 STREAM_SHARD_GB = 1.0  # output shard size of a recipe run (max_shard_gb, in GiB): two of them are on disk at once
 RANGED_BLOCKS_GB = 0.25  # with a raw window: the converter's blocks in flight, beyond the window
 MARGIN_GB = 1.0  # config, tokenizer, index, logs, filesystem slack
+# Whole raw shards are counted at their release's mean size (the tables give shard counts, not sizes):
+# a recipe streaming whole shards fits a runner only with this much disk to spare besides.
+SHARD_SIZE_HEADROOM_GB = 1.0
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ class Recipe:
     def head_gb(self) -> float:
         """The MTP head as written: float with ``mtp = "keep"``; with ``match`` at the backbone's bits, with
         ``mtp_bits`` at those bits (the recipe's group when affine, else 64, as ``plan.quant``), except ``mtp.fc``,
-        which stays float. Its norms (float) and routers (8-bit) are counted at the head's bits: under 0.01 GB."""
+        which stays float. Its norms and routers (both float) are counted at the head's bits: under 0.01 GB."""
         r = self.release
         if self.mtp == "drop":
             return 0.0
@@ -203,6 +206,13 @@ class Recipe:
         MTP sidecar at its precision (kept to the end: linked and committed) and a margin. The output's total
         size does not enter."""
         return self.raw_gb + 2 * self.output_shard_gb + self.head_gb + MARGIN_GB
+
+    def fits(self, runner: str) -> bool:
+        """Whether ``runner`` has the disk and memory this recipe needs, with ``SHARD_SIZE_HEADROOM_GB`` to spare
+        where whole raw shards are counted at their mean size."""
+        size = RUNNERS[runner]
+        spare = SHARD_SIZE_HEADROOM_GB if self.raw_window_gb is None else 0.0
+        return self.disk_needed_gb() + spare <= size.disk_gb and self.memory_needed_gb() <= size.memory_gb
 
     def memory_needed_gb(self) -> float:
         """Peak memory of the streamed layerwise smoke (docs/smoke.md): the larger of the largest decoder layer at
