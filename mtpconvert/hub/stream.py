@@ -172,7 +172,7 @@ def first_use_order(plan, ckpt) -> List[Path]:
 
 # --------------------------------------------------------------------------- byte ranges
 
-MAX_REQUEST_BYTES = 32 << 20  # adjacent ranges fetched in one request, up to this much (held in memory meanwhile)
+MAX_REQUEST_BYTES = 16 << 20  # adjacent ranges fetched in one request, up to this much (held in memory meanwhile, twice while it arrives)
 PAGE = 4096  # filesystem block a hole is punched in
 RANGE_THREADS = 4  # requests in flight: one range request does not fill a link
 
