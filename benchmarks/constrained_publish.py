@@ -18,7 +18,7 @@ storage live outside both limits, like the real Hub. Prints one JSON record: pea
 largest process, the cgroup's peak (RSS + page cache), peak disk used on the image and peak bytes
 allocated in the partial output folder (both sampled every 20 ms), wall time, and what the repo
 received. With the smoke on (the default: ``--smoke-mode layerwise``, random weights so
-``--min-acceptance 0``) the smoke is fed each output shard as it is written and the shard is freed
+``--min-acceptance 0 --min-mlp-gain -1``) the smoke is fed each output shard as it is written and the shard is freed
 once uploaded and consumed.
 """
 
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
                 command += ["--prefetch-shards", str(args.prefetch_shards)]
             if args.raw_window is not None:
                 command += ["--raw-window", str(args.raw_window)]
-            command += ["--no-smoke"] if args.no_smoke else ["--smoke-mode", args.smoke_mode, "--min-acceptance", "0"]
+            command += ["--no-smoke"] if args.no_smoke else ["--smoke-mode", args.smoke_mode, "--min-acceptance", "0",
+                                                                  "--min-mlp-gain", "-1"]
             watch = DiskWatch(mount)
             watch.start()
             t0 = time.perf_counter()

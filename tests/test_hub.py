@@ -275,25 +275,33 @@ def reshard(src, dst, n):
     return dst
 
 
-@pytest.mark.parametrize("quantizer", ["mlx", "numpy processes"])
-def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch, quantizer):
-    """--stream: same bytes as a plain pull, each shard fetched once and deleted after use,
-    raw data on disk never above the two largest shards; also when worker processes read
-    the shards (each is fetched before a worker opens it)."""
+def served_moe(hub, tmp_path, monkeypatch, quantizer: str, prefix: str, shards: int):
+    """A bf16 MoE laid out as Qwen3.5 publishes it (fused backbone experts, per-expert head), in ``shards``
+    consecutive-key shards on the loopback Hub under its own repo (a plain pull fills the cache), and the
+    quantizer the conversion runs: "mlx" or "numpy workers". Returns (repo, source folder)."""
     from checkpoints import build
 
     from mtpconvert.execute import pipeline as execute_mod
-    from mtpconvert.hub import pull as hub_mod
 
     if quantizer == "mlx":
         monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
     else:
         monkeypatch.setattr(execute_mod, "NUMPY_MIN_BYTES", 0)
-
     src = reshard(build(tmp_path / "one", moe=True, experts="published35", dtype="bfloat16", seed=3).path,
-                  tmp_path / "five", 5)
-    repo = "Qwen/Five-" + quantizer.split()[0]  # its own repo: the plain pull below fills the cache
+                  tmp_path / f"{shards}-shards", shards)
+    repo = prefix + quantizer.split()[0]
     hub.add_folder(repo, src)
+    return repo, src
+
+
+@pytest.mark.parametrize("quantizer", ["mlx", "numpy processes"])
+def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch, quantizer):
+    """--stream: same bytes as a plain pull, each shard fetched once and deleted after use,
+    raw data on disk never above the two largest shards; also when worker processes read
+    the shards (each is fetched before a worker opens it)."""
+    from mtpconvert.hub import pull as hub_mod
+
+    repo, src = served_moe(hub, tmp_path, monkeypatch, quantizer, "Qwen/Five-", 5)
     shard_sizes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
     assert len(shard_sizes) == 5
     stage = tmp_path / ".streamed.stream"
@@ -409,21 +417,11 @@ def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, t
     made (the fused backbone experts as one gate or up half per expert) and are punched out after it is
     written, so raw data on disk stays near the window while the shards are several times larger. Every
     byte is fetched once, the output bytes are those of a plain pull, and the record gives the command."""
-    from checkpoints import build
-
-    from mtpconvert.execute import pipeline as execute_mod
     from mtpconvert.hub import stream as streaming
     from mtpconvert.io.header import read_header
     from mtpconvert.provenance import command_args
 
-    if quantizer == "mlx":
-        monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
-    else:
-        monkeypatch.setattr(execute_mod, "NUMPY_MIN_BYTES", 0)
-    src = reshard(build(tmp_path / "one", moe=True, experts="published35", dtype="bfloat16", seed=3).path,
-                  tmp_path / "two", 2)
-    repo = "Qwen/Ranges-" + quantizer.split()[0]
-    hub.add_folder(repo, src)
+    repo, src = served_moe(hub, tmp_path, monkeypatch, quantizer, "Qwen/Ranges-", 2)
     shard_bytes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
     window = shard_bytes[0] // 8
     stage = tmp_path / ".streamed.stream"

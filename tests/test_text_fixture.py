@@ -84,6 +84,20 @@ def test_head_only_expert_reversal_fails_the_default_check_by_mlp_gain(converted
         assert record.smoke_mode == "full"
 
 
+def test_min_mlp_gain_minus_one_reports_the_gain_without_gating(converted, tmp_path):
+    """--min-mlp-gain -1 (for heads with random weights, as the constrained benchmark runs): the same
+    head-only expert reversal passes, its low gain still reported."""
+    from mtpconvert.cli import options as o
+    from mtpconvert.runtime.mlp_gain import DEFAULT_MIN_MLP_GAIN
+
+    broken = tmp_path / "mtp_experts_rev"
+    assert break_folder(converted("moe"), broken, text_fixture_path("moe"), "mtp_experts_rev") > 0
+    checks = o.checks(False, False, None, o.SmokeModeChoice.layerwise, -1.0)
+    assert o.checks(False, False, None, o.SmokeModeChoice.layerwise).min_mlp_gain == DEFAULT_MIN_MLP_GAIN
+    result = smoke_folder(broken, checks, CheckRecord())
+    assert result.ok and result.min_mlp_gain == -1.0 and result.mlp_gain_paired.gain < DEFAULT_MIN_MLP_GAIN
+
+
 def test_correct_moe_head_passes_the_default_check(converted):
     record = CheckRecord()
     result = smoke_folder(converted("moe"), Checks(smoke_mode="layerwise"), record)

@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from .. import api
-from ..checks import Checks
 from ..compat import precision_warnings
 from ..errors import OptionsError
 from ..provenance import checked_repo_id
@@ -40,11 +39,6 @@ PULL_EPILOG = """Examples:
   mtpconvert pull-and-quantize Qwen/Qwen3.5-27B --bits 4 --stream --prefetch-shards 0   # one raw shard on disk
   mtpconvert pull-and-quantize Qwen/Qwen3.5-397B-A17B --bits 4 --mtp match --stream --raw-window 1   # ≤1 GB raw
 """
-
-
-def _checks(no_verify: bool, no_smoke: bool, min_acceptance: float, smoke_mode: o.SmokeModeChoice) -> Checks:
-    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance,
-                  smoke_mode=smoke_mode.value)
 
 
 def print_checked_smoke(record, to: Console) -> None:
@@ -106,6 +100,7 @@ def convert(
     no_smoke: o.NoSmoke = False,
     smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    min_mlp_gain: o.MinMlpGain = o.DEFAULTS["min_mlp_gain"],
     base_model: o.BaseModel = None,
 ):
     """Convert a local checkpoint folder into an MLX folder, keeping the MTP head."""
@@ -124,7 +119,8 @@ def convert(
     if out is None:
         raise OptionsError("OUT is required unless --dry-run")
     with rich_events(console) as events:
-        result = api.convert(source, out, options, checks=_checks(no_verify, no_smoke, min_acceptance, smoke_mode),
+        result = api.convert(source, out, options, checks=o.checks(no_verify, no_smoke, min_acceptance, smoke_mode,
+                                                                 min_mlp_gain),
                              overwrite=overwrite, resume=resume, events=events,
                              extra_metadata={"source_repo": checked_repo_id(base_model)} if base_model else None)
     print_result(result)
@@ -154,7 +150,8 @@ def pull_and_quantize(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be downloaded and its size.")] = False,
     stream: Annotated[bool, typer.Option("--stream", help="Fetch each raw shard when first needed and delete it "
                                          "after its last use: raw data on disk stays within the two largest "
-                                         "shards (one with --prefetch-shards 0).")] = False,
+                                         "shards (one with --prefetch-shards 0; a byte window with "
+                                         "--raw-window).")] = False,
     prefetch_shards: o.PrefetchShards = None,
     raw_window: o.RawWindow = None,
     timeout: o.Timeout = 30.0,
@@ -164,6 +161,7 @@ def pull_and_quantize(
     no_smoke: o.NoSmoke = False,
     smoke_mode: o.SmokeMode = o.DEFAULTS["smoke_mode"],
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    min_mlp_gain: o.MinMlpGain = o.DEFAULTS["min_mlp_gain"],
     upload_repo: Annotated[Optional[str], typer.Option("--upload-repo", help="Upload the result here, with a model "
                                                        "card, in one commit. With --stream each shard is uploaded "
                                                        "as it is written; with --no-smoke too it is then removed "
@@ -183,8 +181,8 @@ def pull_and_quantize(
     if as_json:
         raise OptionsError("--json needs --dry-run")
     with rich_events(console) as events:
-        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=_checks(False, no_smoke, min_acceptance,
-                                                                                              smoke_mode),
+        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=o.checks(False, no_smoke, min_acceptance,
+                                                                                              smoke_mode, min_mlp_gain),
                                       stream=stream, cache_dir=cache_dir, local_dir=local_dir, token=token,
                                       timeout=timeout, overwrite=overwrite, resume=resume, upload_repo=upload_repo,
                                       private=private, prefetch_shards=prefetch_shards,

@@ -65,11 +65,13 @@ def add_mtp(
     token: o.Token = None,
     no_smoke: o.NoSmoke = False,
     min_acceptance: o.MinAcceptance = o.DEFAULTS["min_acceptance"],
+    min_mlp_gain: o.MinMlpGain = o.DEFAULTS["min_mlp_gain"],
 ):
     """Graft the MTP head onto an existing MLX folder (from the Hub, reading only the mtp.* byte ranges)."""
     with rich_events(console) as events:
         info = api.add_mtp(source_repo, mlx_dir, revision=revision, mtp=mtp.value, mtp_bits=mtp_bits, token=token,
-                           mtp_layout=mtp_layout.value, checks=Checks(smoke=not no_smoke, min_acceptance=min_acceptance),
+                           mtp_layout=mtp_layout.value, checks=o.checks(False, no_smoke, min_acceptance,
+                                                                          o.SmokeModeChoice.auto, min_mlp_gain),
                            events=events)
     from .convert import print_checked_smoke
 

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from ..checks import SMOKE_MODES
+from ..checks import SMOKE_MODES, Checks
 from ..options import FLOAT_DTYPES, MODES, MTP_LAYOUTS, MTP_POLICIES, ConvertOptions, QuantOptions
 
 DType = Enum("DType", {d: d for d in FLOAT_DTYPES}, type=str)
@@ -51,6 +51,10 @@ SmokeMode = Annotated[SmokeModeChoice, typer.Option(
 MinAcceptance = Annotated[Optional[float], typer.Option(
     "--min-acceptance", help="Smoke floor for greedy draft acceptance (default: 0.4 for the decoding smoke, 0.3 for "
     "the layerwise one, whose teacher-forced acceptance reads lower).", show_default=False)]
+MinMlpGain = Annotated[Optional[float], typer.Option(
+    "--min-mlp-gain", help="Smoke floor for the head's MLP gain: acceptance with its MLP minus without it "
+    "(default 0.035; a head whose experts are misordered drafts like one with no MLP: docs/runtime.md). "
+    "-1 reports it without gating (e.g. random test weights).", show_default=False)]
 Token = Annotated[Optional[str], typer.Option("--token", help="Hub token (default: HF_TOKEN or the saved login).",
                                               show_default=False)]
 Revision = Annotated[Optional[str], typer.Option("--revision", help="Branch, tag or commit (pinned to its sha).",
@@ -75,7 +79,7 @@ RawWindow = Annotated[Optional[float], typer.Option(
 Timeout = Annotated[float, typer.Option("--timeout", help="Seconds to wait for the Hub before failing.")]
 
 DEFAULTS = dict(q_mode=QMode.affine, mtp=MtpPolicy.keep, mtp_layout=MtpLayoutChoice.sidecar, max_shard_gb=5.0,
-                min_acceptance=None, smoke_mode=SmokeModeChoice.auto)
+                min_acceptance=None, min_mlp_gain=None, smoke_mode=SmokeModeChoice.auto)
 
 
 def convert_options(*, dtype: Optional[DType], bits: Optional[int], group_size: Optional[int], q_mode: QMode,
@@ -89,3 +93,11 @@ def convert_options(*, dtype: Optional[DType], bits: Optional[int], group_size: 
         max_shard_bytes=int(max_shard_gb * (1 << 30)),
         mtp_layout=mtp_layout.value,
     )
+
+
+def checks(no_verify: bool, no_smoke: bool, min_acceptance: float, smoke_mode: SmokeModeChoice,
+           min_mlp_gain: Optional[float] = None) -> Checks:
+    """The post-checks the shared options ask for (``min_mlp_gain`` None: the default floor)."""
+    gain = {} if min_mlp_gain is None else {"min_mlp_gain": min_mlp_gain}
+    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance, **gain,
+                  smoke_mode=smoke_mode.value)
