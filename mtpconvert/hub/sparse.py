@@ -14,33 +14,27 @@ from .errors import endpoint, hub_error
 def fetch_sparse(repo_id: str, sha: str, shards: Dict[str, int], dest: Path, want: Callable[[str], bool],
                  token: Optional[str] = None) -> int:
     """Mirror ``shards`` (name -> size) into ``dest`` with only headers and wanted tensors filled in."""
-    from huggingface_hub import HfFileSystem
-
-    fs = HfFileSystem(endpoint=endpoint(), token=token)
+    reader = RangeReader(repo_id, sha, token)
     fetched = 0
-    for name, size in shards.items():
-        local = dest / name
-        try:
-            with fs.open(f"{repo_id}/{name}", "rb", revision=sha, block_size=1, cache_type="none") as src, \
-                    open(local, "wb") as out:
+    try:
+        for name, size in shards.items():
+            local = dest / name
+            with open(local, "wb") as out:
                 out.truncate(size)
-                prefix = src.read(8)
+                prefix = reader.read(name, 0, 8)
                 n = int.from_bytes(prefix, "little")
                 if len(prefix) < 8 or n > MAX_HEADER_BYTES or 8 + n > size:
                     raise LayoutError(f"bad safetensors header length {n}", file=name)
-                out.write(prefix + src.read(n))
+                out.write(prefix + reader.read(name, 8, 8 + n))
                 out.flush()
                 fetched += 8 + n
                 for key, info in sorted(read_header(local).tensors.items(), key=lambda kv: kv[1].start):
                     if want(key) and info.end > info.start:
-                        src.seek(info.start)
                         out.seek(info.start)
-                        out.write(src.read(info.end - info.start))
+                        out.write(reader.read(name, info.start, info.end))
                         fetched += info.end - info.start
-        except LayoutError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise hub_error(e, repo_id, name) from e
+    finally:
+        reader.close()
     return fetched
 
 
@@ -66,3 +60,8 @@ class RangeReader:
             return src.read(end - start)
         except Exception as e:  # noqa: BLE001 - one clear HubError naming the file
             raise hub_error(e, self.repo_id, name) from e
+
+    def close(self) -> None:
+        """Close the calling thread's open files."""
+        for src in self._local.__dict__.pop("files", {}).values():
+            src.close()

@@ -211,7 +211,7 @@ class _Interval:
     start: int
     end: int
     users: int = 0  # planned blocks not done with it
-    state: str = "pending"  # pending|fetching|ready|failed|freed
+    state: str = "pending"  # pending|fetching|ready|failed|freed, or fetching-freed: freed while its request runs
     forced: bool = False  # an acquired block waits for it: fetched even beyond the window
 
     @property
