@@ -139,17 +139,12 @@ def check_folder(path: Path) -> CompatReport:
 def planned_folder(plan) -> Folder:
     """The folder ``plan`` will write, as the rules see it (headers from the plan's output specs):
     the compat table of a conversion before any data is read."""
-    from .execute.run import index_json
-    from .io.header import st_dtype_of
+    from .execute.run import index_json, shard_order
+    from .io.shard_writer import shard_header
     from .plan.build import MTP_FILE, MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
 
-    headers: Dict[str, dict] = {}
-    for item in plan.items:
-        header = headers.setdefault(item.shard, {"__metadata__": {"format": "mlx"}})
-        for spec in item.outputs():
-            start = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-            header[spec.key] = {"dtype": st_dtype_of(spec.dtype), "shape": list(spec.shape),
-                                "data_offsets": [start, start + spec.nbytes]}
+    headers = {shard: shard_header([spec for item in items for spec in item.outputs()], {"format": "mlx"})
+               for shard, items in shard_order(plan).items()}
     manifests = {}
     if MTP_FILE in headers:
         headers[MTP_LINK] = headers[MTP_FILE]

@@ -99,6 +99,17 @@ class _Flusher:
             raise self.error
 
 
+def shard_header(specs: Sequence[TensorSpec], metadata: Optional[Dict[str, str]] = None) -> dict:
+    """The safetensors header of a shard holding ``specs`` in this order (data offsets from 0)."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for spec in specs:
+        header[spec.key] = {"dtype": st_dtype_of(spec.dtype), "shape": list(spec.shape),
+                            "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    return header
+
+
 class StreamingShardWriter:
     """Writes one safetensors file whose header is fixed before any data arrives.
 
@@ -111,19 +122,9 @@ class StreamingShardWriter:
     def __init__(self, path: Path, specs: Sequence[TensorSpec], metadata: Optional[Dict[str, str]] = None):
         self.path = Path(path)
         self.specs = {spec.key: spec for spec in specs}
-        header = {}
-        if metadata:
-            header["__metadata__"] = dict(metadata)
-        offset = 0
-        offsets = {}
-        for spec in specs:
-            header[spec.key] = {
-                "dtype": st_dtype_of(spec.dtype),
-                "shape": list(spec.shape),
-                "data_offsets": [offset, offset + spec.nbytes],
-            }
-            offsets[spec.key] = offset
-            offset += spec.nbytes
+        header = shard_header(specs, metadata)
+        offsets = {k: t["data_offsets"][0] for k, t in header.items() if k != "__metadata__"}
+        offset = sum(spec.nbytes for spec in specs)
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
         self._header = len(raw).to_bytes(8, "little") + raw
