@@ -302,7 +302,7 @@ def lp_diff(a: Optional[list], b: Optional[list], tol: float = 0.25) -> Optional
         return None
     worst = 0.0
     for x, y in zip(a, b):
-        if x is None or y is None:
+        if not x or not y:  # a run that reported no top-5 at this step
             return None
         for p, q in ((x, y), (y, x)):
             for k in set(p) - set(q):
