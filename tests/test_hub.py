@@ -531,8 +531,15 @@ def five_shard_moe(hub, tmp_path, repo="Qwen/Five-Pub"):
 
 
 def shards_holding_data(folder: Path) -> int:
-    """Model shards in ``folder`` whose bytes are on disk (a header stub holds one block or two)."""
-    return sum(1 for p in folder.glob("model-*.safetensors") if p.stat().st_blocks * 512 > 16 * 1024)
+    """Model shards in ``folder`` whose bytes are on disk (a header stub holds one block or two). A shard
+    gone between listing and looking (the folder renamed to OUT at the end) holds nothing."""
+    def allocated(p: Path) -> int:
+        try:
+            return p.stat().st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    return sum(1 for p in folder.glob("model-*.safetensors") if allocated(p) > 16 * 1024)
 
 
 class Counts(list):
