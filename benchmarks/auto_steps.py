@@ -13,10 +13,10 @@ import statistics
 from pathlib import Path
 
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
-from mtpconvert.runtime.batch_bench import DraftPolicy, engine_decode
-from mtpconvert.runtime.batched import Stream, run_batch
-from mtpconvert.runtime.load import load
-from mtpconvert.runtime.sampling import Sampling
+from mtpconvert.runtime.decoding.batched import DraftPolicy, Stream, run_batch
+from mtpconvert.runtime.decoding.load import load
+from mtpconvert.runtime.decoding.sampling import Sampling
+from mtpconvert.runtime.measure.batch_bench import engine_decode
 
 
 def main(argv=None) -> int:

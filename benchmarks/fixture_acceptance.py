@@ -2,7 +2,7 @@
 
 Converts a raw fixture (default: the bundled ``text-qwen35-mtp`` / ``text-qwen35-moe-mtp``) with
 ``mtpconvert convert`` (a subprocess each, so the conversion is exactly the command line's) and
-measures acceptance with the project's runtime (``mtpconvert.runtime.speculative.mtp_generate``)
+measures acceptance with the project's runtime (``mtpconvert.runtime.decoding.speculative.mtp_generate``)
 on prompts cut from the held-out standard-library files listed in the fixture's training.json
 (their SHA-256s are checked; another Python's stdlib gives slightly different prompts: a warning).
 
@@ -135,7 +135,7 @@ def paired_delta(a: Cell, b: Cell, n: int = 2000, seed: int = 0) -> List[float]:
 
 def measure(m, prompts, depth: int, max_tokens: int, sampling, hidden: str, seeds: int,
             plain: Optional[List[List[int]]] = None) -> Cell:
-    from mtpconvert.runtime.speculative import mtp_generate
+    from mtpconvert.runtime.decoding.speculative import mtp_generate
 
     P = np.zeros((len(prompts), depth), dtype=np.int64)
     A = np.zeros_like(P)
@@ -163,9 +163,9 @@ def fmt(cell: Optional[Cell], j: int = 0) -> str:
 
 def run_variant(variant: str, fixture: Path, work: Path, args) -> dict:
     from mtpconvert.errors import LayoutError
-    from mtpconvert.runtime.load import load
-    from mtpconvert.runtime.sampling import Sampling
-    from mtpconvert.runtime.speculative import plain_generate
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.decoding.sampling import Sampling
+    from mtpconvert.runtime.decoding.speculative import plain_generate
 
     from mtpconvert.fixture.text import heldout_prompts
 

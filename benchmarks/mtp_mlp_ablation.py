@@ -23,8 +23,8 @@ import mlx.core as mx
 import mlx.utils
 import numpy as np
 
-from mtpconvert.runtime.layerwise import teacher_forced_full
-from mtpconvert.runtime.load import load
+from mtpconvert.runtime.checks.teacher_forced import teacher_forced_full
+from mtpconvert.runtime.decoding.load import load
 
 ROUTED = ("gate_proj", "up_proj", "down_proj")
 

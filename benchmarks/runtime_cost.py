@@ -2,7 +2,7 @@
 
 Writes a synthetic raw checkpoint shaped like a published release (``synth.py``, first
 ``--layers`` decoder layers plus the MTP head), converts it with ``mtpconvert convert``
-(timed), then runs ``mtpconvert.runtime.bench`` on random prompt ids. Random weights make
+(timed), then runs ``mtpconvert.runtime.measure.bench`` on random prompt ids. Random weights make
 acceptance meaningless, so the script reports the step costs (beta = verify pass / decode
 step, delta = head steps / decode step, rho = undo after a rejection / decode step, the
 loop's own overhead) and the speedup they imply at given acceptance rates: tokens per step
@@ -39,7 +39,7 @@ def stock_forward_ms(m, context, max_tokens: int) -> dict:
     """
     import mlx.core as mx
 
-    from mtpconvert.runtime.bench import context_restorer, timed
+    from mtpconvert.runtime.measure.bench import context_restorer, timed
 
     cache = m.model.make_cache()
     mx.eval(m.model(mx.array([list(context)]), cache=cache))
@@ -63,7 +63,7 @@ def quantized_matmul_ms(m, max_rows: int) -> dict:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mtpconvert.runtime.bench import timed
+    from mtpconvert.runtime.measure.bench import timed
 
     layers = [mod for _, mod in m.model.named_modules() if isinstance(mod, nn.QuantizedLinear)]
     if not layers:
@@ -111,8 +111,8 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
 
-    from mtpconvert.runtime.bench import bench
-    from mtpconvert.runtime.load import load
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.measure.bench import bench
 
     m = load(out)
     vocab = m.lm.args.vocab_size

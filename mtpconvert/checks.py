@@ -5,12 +5,12 @@ on the folder it is given. Verify reads headers; smoke measures the MTP head's g
 acceptance, in one of two ways:
 
 - ``full``: load the whole model and decode with drafts next to plain greedy
-  (``runtime.smoke``), when the weights fit in the memory available;
+  (``runtime.checks.smoke``), when the weights fit in the memory available;
 - ``layerwise``: teacher-forced, one decoder layer resident at a time
-  (``runtime.layerwise``), when they do not: a 27B-397B conversion on a 16 GB runner.
+  (``runtime.checks.layerwise``), when they do not: a 27B-397B conversion on a 16 GB runner.
 
 ``auto`` decides from the weight bytes against the available memory. Either way the gate
-is acceptance above the floor and the head's MLP gain (``runtime.mlp_gain``: acceptance with
+is acceptance above the floor and the head's MLP gain (``runtime.checks.mlp_gain``: acceptance with
 the head layer's MLP minus without it) above its own floor, which catches a head whose MLP
 weights are scrambled (experts misordered) when its acceptance alone cannot; greedy token
 identity is reported, never failed. A failure raises ``CheckFailed`` (the finished shards stay
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 from .errors import ConvertError, OptionsError
-from .runtime.mlp_gain import DEFAULT_MIN_MLP_GAIN as MLP_GAIN_FLOOR
+from .runtime.checks.mlp_gain import DEFAULT_MIN_MLP_GAIN as MLP_GAIN_FLOOR
 from .verify import ERROR, Report, verify
 
-DEFAULT_MIN_ACCEPTANCE = 0.40  # the decoding smoke's floor: runtime/smoke.py says where it comes from
+DEFAULT_MIN_ACCEPTANCE = 0.40  # the decoding smoke's floor: runtime/checks/smoke.py says where it comes from
 SMOKE_MODES = ("auto", "full", "layerwise")
 STREAMED_REASON = "shards uploaded and freed as they are written: layerwise, fed each shard as it was finished"
 
@@ -56,7 +56,7 @@ class Checks:
         layerwise check has its own floor."""
         if self.min_acceptance is not None:
             return self.min_acceptance
-        from .runtime.layerwise import DEFAULT_MIN_ACCEPTANCE as LAYERWISE_FLOOR
+        from .runtime.checks.teacher_forced import DEFAULT_MIN_ACCEPTANCE as LAYERWISE_FLOOR
 
         return DEFAULT_MIN_ACCEPTANCE if mode == "full" else LAYERWISE_FLOOR
 
@@ -70,7 +70,7 @@ class CheckRecord:
     """What the checks found, for the caller's report and the model card."""
 
     verify: Optional[Report] = None
-    smoke: Optional[object] = None  # runtime.smoke.SmokeResult or runtime.layerwise.LayerwiseResult
+    smoke: Optional[object] = None  # runtime.checks.smoke.SmokeResult or runtime.checks.teacher_forced.LayerwiseResult
     smoke_mode: Optional[str] = None  # "full" | "layerwise": which one ran
     smoke_reason: Optional[str] = None  # why that one, in words
     smoke_skipped: Optional[str] = None
@@ -108,8 +108,8 @@ def _gib(n: int) -> str:
 
 def full_smoke_bytes(folder: Path, on_cpu: bool) -> int:
     """Memory the full smoke's weights take: the stored bytes, plus on the CPU a float32 copy
-    of float MoE experts (``runtime.load`` casts them: mlx's CPU ``gather_mm`` is float32-only)."""
-    from .runtime.layerwise import folder_weight_bytes, weight_files
+    of float MoE experts (``runtime.decoding.load`` casts them: mlx's CPU ``gather_mm`` is float32-only)."""
+    from .runtime.checks.sizing import folder_weight_bytes, weight_files
     from .io.header import read_header
 
     total = folder_weight_bytes(folder)
@@ -126,7 +126,7 @@ def choose_smoke(folder: Path, requested: str = "auto") -> SmokeChoice:
         return SmokeChoice(requested, f"--smoke-mode {requested}")
     import mlx.core as mx
 
-    from .runtime.layerwise import available_memory_bytes, smoke_mode
+    from .runtime.checks.sizing import available_memory_bytes, smoke_mode
 
     weights = full_smoke_bytes(folder, mx.default_device() == mx.cpu)
     available = available_memory_bytes()
@@ -153,7 +153,7 @@ def smoke_failure(result, how: str, folder: Path) -> CheckFailed:
 
 def smoke_full(folder: Path, checks: Checks, on_stage: Callable[[str], None]):
     """Greedy MTP decoding next to plain greedy, the whole model loaded."""
-    from .runtime.smoke import smoke
+    from .runtime.checks.smoke import smoke
 
     on_stage("MTP smoke test (greedy draft/verify decoding, whole model loaded)")
     floor = checks.floor_for("full")
@@ -165,7 +165,7 @@ def smoke_full(folder: Path, checks: Checks, on_stage: Callable[[str], None]):
 
 def smoke_layerwise(folder: Path, checks: Checks, on_stage: Callable[[str], None]):
     """Teacher-forced greedy acceptance, one decoder layer resident at a time."""
-    from .runtime.layerwise import layerwise_acceptance
+    from .runtime.checks.layerwise import layerwise_acceptance
 
     on_stage("MTP smoke test (layerwise: teacher-forced, one layer in memory at a time)")
     coarse = lambda msg: on_stage(f"layerwise smoke: {msg}") if not msg.startswith("lm_head rows") else None  # noqa: E731
@@ -178,7 +178,7 @@ def smoke_layerwise(folder: Path, checks: Checks, on_stage: Callable[[str], None
 
 
 def smoke_streamed(streamed, checks: Checks, on_stage: Callable[[str], None]):
-    """The layerwise smoke that was fed each output shard as it was written (``runtime.streamed``):
+    """The layerwise smoke that was fed each output shard as it was written (``runtime.checks.streamed``):
     only the head and lm_head are left to run."""
     on_stage("MTP smoke test (layerwise, fed shard by shard: the head and lm_head)")
     result = streamed.finish()
@@ -202,7 +202,7 @@ def run_checks(folder: Path, checks: Checks, record: CheckRecord, *, has_mtp: bo
                on_stage: Callable[[str], None] = lambda s: None, streamed=None) -> None:
     """The checks ``checks`` asks for, on ``folder``; findings go into ``record`` (``record.failed``
     names the check that raised, for the caller's resume advice). ``streamed``: the smoke already
-    fed the shards as they were written (``runtime.streamed.StreamedLayerwise``): it finishes here."""
+    fed the shards as they were written (``runtime.checks.streamed.StreamedLayerwise``): it finishes here."""
     if checks.verify:
         on_stage("verifying")
         record.failed = "verify"

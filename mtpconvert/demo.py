@@ -27,10 +27,10 @@ from .fixture.text import heldout_prompts, text_fixture_path
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
 from .cli.render import plan_summary, report_table
-from .runtime.bench import bench
-from .runtime.load import load
-from .runtime.mlp_gain import DEFAULT_MIN_MLP_GAIN
-from .runtime.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
+from .runtime.checks.mlp_gain import DEFAULT_MIN_MLP_GAIN
+from .runtime.checks.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
+from .runtime.decoding.load import load
+from .runtime.measure.bench import bench
 from .io.checkpoint import open_checkpoint
 from .verify import verify
 

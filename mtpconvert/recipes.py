@@ -92,7 +92,7 @@ RELEASES: Dict[str, Release] = {
     "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 2.51, 0.81, moe=True),
     "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 6.58, 2.15, moe=True),
 }
-# runtime.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
+# runtime.decoding.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
 # before installing; a test keeps the two equal): float32 experts the smoke casts at once, plus the
 # bf16 gather they are cast from (half as much again).
 SMOKE_FLOAT32_EXPERT_BYTES = 512 << 20
@@ -188,7 +188,7 @@ class Recipe:
     @property
     def head_cpu_gb(self) -> float:
         """The head as the layerwise smoke holds it on the CPU: as written, plus for float routed experts one
-        group of them in float32 and the stored copy it is cast from (runtime.experts); quantized experts run
+        group of them in float32 and the stored copy it is cast from (runtime.decoding.experts); quantized experts run
         as stored."""
         float_experts = self.release.moe and self.mtp == "keep" and self.mtp_bits is None
         return self.head_gb + (SMOKE_FLOAT32_EXPERT_GB if float_experts else 0.0)
@@ -200,7 +200,7 @@ class Recipe:
 
     def disk_needed_gb(self) -> float:
         """Peak disk of ``recipe run --stream`` with upload and smoke: each output shard is uploaded and freed
-        once the streamed smoke has read it (``runtime.streamed``: it runs the layers the shard completes and
+        once the streamed smoke has read it (``runtime.checks.streamed``: it runs the layers the shard completes and
         reads the layer still in progress, the final norm and ``lm_head`` into memory), so the peak is the raw
         data (``raw_gb``), two output shards (one uploading, one being written: ``output_shard_gb`` each), the
         MTP sidecar at its precision (kept to the end: linked and committed) and a margin. The output's total

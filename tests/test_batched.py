@@ -1,4 +1,4 @@
-"""Batched MTP decoding (runtime/batched.py): mixed drafting and plain rows in one step.
+"""Batched MTP decoding (runtime/decoding/batched.py): mixed drafting and plain rows in one step.
 
 Every greedy row must decode what the same engine decodes with drafting off for the whole batch
 (same streams, same joins), and what the row decodes alone except at logged near-ties. Each test
@@ -13,14 +13,14 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
-from mtpconvert.runtime import batched
-from mtpconvert.runtime.baseline import mlx_lm_generate
-from mtpconvert.runtime.batched import Stream, run_batch
-from mtpconvert.runtime.load import load
-from mtpconvert.runtime.rowcache import RowKVCache
-from mtpconvert.runtime.sampling import Sampling
-from mtpconvert.runtime.smoke import divergence
-from mtpconvert.runtime.speculative import plain_generate
+from mtpconvert.runtime.checks.smoke import divergence
+from mtpconvert.runtime.decoding import batched
+from mtpconvert.runtime.decoding.batched import Stream, run_batch
+from mtpconvert.runtime.decoding.load import load
+from mtpconvert.runtime.decoding.rowcache import RowKVCache
+from mtpconvert.runtime.decoding.sampling import Sampling
+from mtpconvert.runtime.decoding.speculative import plain_generate
+from mtpconvert.runtime.measure.baseline import mlx_lm_generate
 from test_runtime import chi2_critical, chi2_stat
 
 TOKENS = 20
@@ -278,8 +278,7 @@ def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
     """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
     tok/s), a 12 ms one wins (583 vs 400), although the first step of each kind is 20x slower (a
     kernel compile). The losing kind is still probed, in runs of 3 steps at growing intervals."""
-    from mtpconvert.runtime.batch_bench import DraftPolicy
-    from mtpconvert.runtime.batched import StepLog
+    from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
 
     class Engine:
         depth = 1
@@ -304,8 +303,7 @@ def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
 
 def test_draft_policy_does_not_time_a_catch_up_step():
     """The first drafting step after plain steps reads the whole plain stretch: slow, and not a step cost."""
-    from mtpconvert.runtime.batch_bench import DraftPolicy
-    from mtpconvert.runtime.batched import StepLog
+    from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
 
     class Engine:
         depth = 2

@@ -1,4 +1,4 @@
-"""Float MoE experts on the CPU in float32 a bounded group at a time (runtime.experts): bit-identical
+"""Float MoE experts on the CPU in float32 a bounded group at a time (runtime.decoding.experts): bit-identical
 to casting the whole stack, and the layerwise check's results do not change."""
 
 import subprocess
@@ -11,11 +11,12 @@ from mlx.utils import tree_map
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from mtpconvert.fixture import fixture_path
-from mtpconvert.runtime import experts, layerwise
-from mtpconvert.runtime.experts import BoundedSwitchGLU, bound_float_experts, expert_groups
-from mtpconvert.runtime.layerwise import layerwise_acceptance
-from mtpconvert.runtime.load import float32_experts_on_cpu
-from mtpconvert.runtime.smoke import encode_prompts
+from mtpconvert.runtime.checks import compute, shards
+from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
+from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.decoding import experts
+from mtpconvert.runtime.decoding.experts import BoundedSwitchGLU, bound_float_experts, expert_groups
+from mtpconvert.runtime.decoding.load import float32_experts_on_cpu
 from mtpconvert.demo import fixture_prompts
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the bounded path runs on mlx's CPU backend")
@@ -74,11 +75,11 @@ def test_expert_groups_cover_every_pair_once_with_at_most_group_experts():
 
 
 def test_bound_float_experts_keeps_the_stack_as_stored_and_skips_float32():
-    holder = layerwise._Holder("switch_mlp", _stored_glu())
+    holder = shards._Holder("switch_mlp", _stored_glu())
     assert bound_float_experts(holder) == 1
     assert isinstance(holder.switch_mlp, BoundedSwitchGLU)
     assert holder.switch_mlp.gate_proj["weight"].dtype == mx.bfloat16  # not cast
-    f32 = layerwise._Holder("switch_mlp", _stored_glu(dtype=mx.float32))
+    f32 = shards._Holder("switch_mlp", _stored_glu(dtype=mx.float32))
     assert bound_float_experts(f32) == 0 and type(f32.switch_mlp) is SwitchGLU
 
 
@@ -96,7 +97,7 @@ def test_layerwise_result_is_identical_to_casting_the_whole_stack(moe_bf16, monk
     ids = encode_prompts(moe_bf16, fixture_prompts(3, length=40))
     # before: every float expert stack cast to float32, as the check did until the bounded path
     with monkeypatch.context() as m:
-        m.setattr(layerwise, "bound_float_experts", float32_experts_on_cpu)
+        m.setattr(compute, "bound_float_experts", float32_experts_on_cpu)
         before = layerwise_acceptance(moe_bf16, token_ids=ids)  # the default, as CI runs it
     swapped = []
 
@@ -104,7 +105,7 @@ def test_layerwise_result_is_identical_to_casting_the_whole_stack(moe_bf16, monk
         swapped.append(bound_float_experts(module, budget_bytes=1))
         return swapped[-1]
 
-    monkeypatch.setattr(layerwise, "bound_float_experts", bound_one_expert_at_a_time)
+    monkeypatch.setattr(compute, "bound_float_experts", bound_one_expert_at_a_time)
     after = layerwise_acceptance(moe_bf16, token_ids=ids)
     assert sum(swapped) > 0  # the bounded path ran (backbone layers and head)
     assert (after.agreed, after.compared) == (before.agreed, before.compared)

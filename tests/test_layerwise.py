@@ -15,18 +15,13 @@ import pytest
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.errors import LayoutError
 from mtpconvert.fixture import fixture_path
-from mtpconvert.runtime import layerwise
-from mtpconvert.runtime.layerwise import (
-    DEFAULT_MIN_ACCEPTANCE,
-    folder_weight_bytes,
-    layerwise_acceptance,
-    locate_mtp,
-    smoke_mode,
-    stored_bytes_by_unit,
-    teacher_forced_full,
-)
-from mtpconvert.runtime.load import load
-from mtpconvert.runtime.smoke import encode_prompts
+from mtpconvert.runtime.checks import compute
+from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
+from mtpconvert.runtime.checks.sizing import folder_weight_bytes, smoke_mode, stored_bytes_by_unit
+from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.checks.teacher_forced import DEFAULT_MIN_ACCEPTANCE, teacher_forced_full
+from mtpconvert.runtime.decoding.load import load
+from mtpconvert.runtime.decoding.locate import locate_mtp
 
 VARIANTS = {  # name: (fixture, convert options)
     "dense-f32": ("dense", ["--dtype", "float32"]),
@@ -139,7 +134,7 @@ def test_tied_embeddings_equal_the_loaded_model(folders, tmp_path, quantized):
 def test_dequantized_cpu_path_agrees_with_exact(folders, monkeypatch, variant, dtype):
     """exact=False (the CPU default): float matmuls of the dequantized weights, a block of rows at
     a time (16-row blocks here), same predictions up to rounding."""
-    monkeypatch.setattr(layerwise, "LINEAR_BLOCK_BYTES", 16 * 96 * 4)
+    monkeypatch.setattr(compute, "LINEAR_BLOCK_BYTES", 16 * 96 * 4)
     path = folders(variant)
     ids = token_ids(path)
     exact = layerwise_acceptance(path, token_ids=ids, exact=True)
@@ -230,7 +225,7 @@ def _synthetic_folder(root: Path, layers=12, hidden=256, intermediate=1024, voca
     from mlx.utils import tree_flatten
     from mlx_lm.models.qwen3_5 import Model, ModelArgs
 
-    from mtpconvert.runtime.mtp import MTPHead
+    from mtpconvert.runtime.decoding.mtp import MTPHead
 
     src = fixture_path("dense")
     cfg = json.loads((src / "config.json").read_text())

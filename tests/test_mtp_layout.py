@@ -89,7 +89,7 @@ def test_in_model_layout_keeps_a_quantized_moe_head_stacked(raw_checkpoints, tmp
 def _head_params(folder: Path) -> dict:
     from mlx.utils import tree_flatten
 
-    from mtpconvert.runtime.load import load
+    from mtpconvert.runtime.decoding.load import load
 
     return {k: np.array(v) for k, v in tree_flatten(load(folder).head.parameters())}
 

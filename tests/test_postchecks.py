@@ -26,9 +26,9 @@ def fixture_checks(mode: str, verify: bool = True) -> Checks:
 
 
 def memory_available(monkeypatch, n: int) -> None:
-    from mtpconvert.runtime import layerwise
+    from mtpconvert.runtime.checks import sizing
 
-    monkeypatch.setattr(layerwise, "available_memory_bytes", lambda: n)
+    monkeypatch.setattr(sizing, "available_memory_bytes", lambda: n)
 
 
 # ---------------------------------------------------------------- full or layerwise
@@ -84,8 +84,8 @@ def test_greedy_divergence_is_reported_with_its_margin_not_failed(tmp_path, monk
     smoke reports where and by what margin, and still passes on acceptance."""
     import mlx.core as mx
 
-    from mtpconvert.runtime import smoke as smoke_mod
-    from mtpconvert.runtime.load import load
+    from mtpconvert.runtime.checks import smoke as smoke_mod
+    from mtpconvert.runtime.decoding.load import load
 
     out = tmp_path / "o"
     convert_folder(fixture_path("dense"), out, dtype="bfloat16")

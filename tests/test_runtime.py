@@ -10,11 +10,11 @@ from mlx_lm.models.cache import KVCache
 from checkpoints import convert_folder, without_shift
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.fixture import fixture_path
-from mtpconvert.runtime.load import load
-from mtpconvert.runtime.rollback import enable_rollback, make_rollback_cache, rollback
-from mtpconvert.runtime.sampling import Sampling, accept_drafts
-from mtpconvert.runtime.smoke import encode_prompts
-from mtpconvert.runtime.speculative import backbone_forward, mtp_generate, plain_generate
+from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.decoding.load import load
+from mtpconvert.runtime.decoding.rollback import enable_rollback, make_rollback_cache, rollback
+from mtpconvert.runtime.decoding.sampling import Sampling, accept_drafts
+from mtpconvert.runtime.decoding.speculative import backbone_forward, mtp_generate, plain_generate
 
 
 def _convert(out, mtp_shift=True, **quant):
@@ -225,7 +225,7 @@ def test_rollback_refuses_a_pass_longer_than_max_pass(good):
 def test_mlx_lm_baseline_matches_plain_loop(tmp_path):
     """The bench baseline is mlx-lm's generate_step: greedy, it decodes what our plain loop decodes;
     sampled, the same seed gives the same tokens (mlx-lm draws from MLX's global seed)."""
-    from mtpconvert.runtime.baseline import mlx_lm_generate
+    from mtpconvert.runtime.measure.baseline import mlx_lm_generate
 
     out = tmp_path / "bf16"
     convert_folder(fixture_path("dense"), out, dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""The layerwise smoke fed shard by shard (runtime/streamed.py): the post-hoc check's numbers, each shard
+"""The layerwise smoke fed shard by shard (runtime/checks/streamed.py): the post-hoc check's numbers, each shard
 freed as it is fed (what the check reads later is in memory, or for an in-model head in a copy), and a
 broken head stops the streamed publish before its commit."""
 
@@ -17,8 +17,9 @@ from mtpconvert.cli import app
 from mtpconvert.fixture.text import text_fixture_path
 from mtpconvert.options import ConvertOptions, QuantOptions
 from mtpconvert.hub.publish import stub_in_place
-from mtpconvert.runtime.layerwise import layerwise_acceptance, unit_of
-from mtpconvert.runtime.streamed import SMOKE_DIR, StreamedLayerwise, shards_by_unit
+from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
+from mtpconvert.runtime.checks.sizing import unit_of
+from mtpconvert.runtime.checks.streamed import SMOKE_DIR, StreamedLayerwise, shards_by_unit
 from test_hub import hub, shards_holding_data  # noqa: F401  (the loopback Hub fixture)
 
 runner = CliRunner()

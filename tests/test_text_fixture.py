@@ -14,9 +14,9 @@ from checkpoints import convert_folder
 from mtpconvert.checks import CheckFailed, CheckRecord, Checks, smoke_folder
 from mtpconvert.errors import LayoutError
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
-from mtpconvert.runtime.load import load
-from mtpconvert.runtime.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
-from mtpconvert.runtime.speculative import mtp_generate, plain_generate
+from mtpconvert.runtime.checks.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
+from mtpconvert.runtime.decoding.load import load
+from mtpconvert.runtime.decoding.speculative import mtp_generate, plain_generate
 from mtpconvert.verify import verify
 
 # mlx's CPU backend has no bf16 gather_mm: float MoE experts run in float32 here
@@ -88,7 +88,7 @@ def test_min_mlp_gain_minus_one_reports_the_gain_without_gating(converted, tmp_p
     """--min-mlp-gain -1 (for heads with random weights, as the constrained benchmark runs): the same
     head-only expert reversal passes, its low gain still reported."""
     from mtpconvert.cli import options as o
-    from mtpconvert.runtime.mlp_gain import DEFAULT_MIN_MLP_GAIN
+    from mtpconvert.runtime.checks.mlp_gain import DEFAULT_MIN_MLP_GAIN
 
     broken = tmp_path / "mtp_experts_rev"
     assert break_folder(converted("moe"), broken, text_fixture_path("moe"), "mtp_experts_rev") > 0

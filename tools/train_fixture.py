@@ -27,7 +27,7 @@ from mlx_lm.models.qwen3_5 import Model, ModelArgs, TextModelArgs
 from mtpconvert.fixture import DENSE, MOE
 from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
 from mtpconvert.io.shard_writer import write_all
-from mtpconvert.runtime.mtp import MTPHead
+from mtpconvert.runtime.decoding.mtp import MTPHead
 
 from rawexport import to_raw
 

@@ -608,8 +608,8 @@ def parity(args) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from mtpconvert.runtime.load import load
-    from mtpconvert.runtime.speculative import backbone_forward
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.decoding.speculative import backbone_forward
 
     src = Path(args.folder)
     cfg = json.loads((src / "config.json").read_text())

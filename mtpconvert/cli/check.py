@@ -135,7 +135,7 @@ def bench(
 ):
     """MTP speculative decoding vs plain decoding: acceptance per depth, tokens/step, tok/s, speedup, step costs.
     With --concurrency: batched MTP vs mlx-lm's BatchGenerator at each number of concurrent streams."""
-    from ..runtime.sampling import Sampling
+    from ..runtime.decoding.sampling import Sampling
 
     try:
         sampling = Sampling(temperature, top_p, top_k)

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 from ..io.checkpoint import INDEX_NAME
 from ..provenance import command_args
-from ..runtime.locate import locate_mtp
+from ..runtime.decoding.locate import locate_mtp
 
 PROMPT = "Write a haiku about the sea."
 
@@ -156,9 +156,9 @@ mtpconvert bench {local} --depth 1
 
 ```python
 from huggingface_hub import snapshot_download
-from mtpconvert.runtime.load import load
-from mtpconvert.runtime.smoke import encode_prompts
-from mtpconvert.runtime.speculative import mtp_generate
+from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.decoding.load import load
+from mtpconvert.runtime.decoding.speculative import mtp_generate
 
 path = snapshot_download("{repo_id}")
 model = load(path)

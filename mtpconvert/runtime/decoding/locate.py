@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..io.checkpoint import MTP_FILE
-from ..io.header import Header, TensorInfo, read_header
+from ...io.checkpoint import MTP_FILE
+from ...io.header import Header, TensorInfo, read_header
 
 HEAD_PREFIXES = ("mtp.", "language_model.mtp.")
 IN_MODEL_PREFIX = "language_model.mtp."

@@ -1,7 +1,7 @@
 """The layerwise smoke fed one output shard at a time, while the conversion writes them.
 
 ``pull-and-quantize --stream --upload-repo`` uploads each finished output shard and frees its
-data; the post-hoc layerwise check (``runtime.layerwise``) would need every shard at the end.
+data; the post-hoc layerwise check (``runtime.checks.layerwise``) would need every shard at the end.
 This runs the same ``TeacherForcedPass`` as the shards arrive, so a shard can go as soon as the
 check has read what it needs of it:
 
@@ -31,28 +31,21 @@ import shutil
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ..errors import LayoutError
-from ..io.header import read_header
-from .layerwise import (
-    DEFAULT_MAX_PROMPT_TOKENS,
-    DEFAULT_MIN_ACCEPTANCE,
-    DEFAULT_MIN_MLP_GAIN,
-    DEFAULT_VOCAB_BLOCK_BYTES,
-    LayerwiseResult,
-    TeacherForcedPass,
-    _Folder,
-    locate_mtp,
-    prompt_token_ids,
-    require_head,
-    unit_of,
-)
+from ...errors import LayoutError
+from ...io.header import read_header
+from ..decoding.locate import locate_mtp
+from .layerwise import DEFAULT_MAX_PROMPT_TOKENS, prompt_token_ids, require_head
+from .mlp_gain import DEFAULT_MIN_MLP_GAIN
+from .shards import _Folder
+from .sizing import unit_of
+from .teacher_forced import DEFAULT_MIN_ACCEPTANCE, DEFAULT_VOCAB_BLOCK_BYTES, LayerwiseResult, TeacherForcedPass
 
 SMOKE_DIR = ".mtpconvert-smoke"  # inside the partial folder (hidden: never uploaded); removed by finish/close
 COPY_CHUNK_BYTES = 64 << 20
 
 
 def shards_by_unit(weight_map: Dict[str, str]) -> Dict[str, Set[str]]:
-    """For each unit (``runtime.layerwise.unit_of``), the output shards holding its tensors."""
+    """For each unit (``runtime.checks.sizing.unit_of``), the output shards holding its tensors."""
     units: Dict[str, Set[str]] = {}
     for key, shard in weight_map.items():
         units.setdefault(unit_of(key), set()).add(shard)

@@ -1,5 +1,6 @@
-"""The Qwen3.5 Multi-Token-Prediction head, built from mlx-lm's own layers.
+"""The MTP head of each head design, built from mlx-lm's own layers; ``head_class`` finds a family's.
 
+qwen3_5-mtp (``MTPHead``):
 h' = fc(concat[pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h_t)])
 h' = decoder_layer(h', own KV cache)          (a full-attention Qwen3.5 layer)
 logits(t+2) = lm_head(norm(h'))               (lm_head shared with the backbone)
@@ -18,8 +19,9 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from ..execute.ops import gather
-from ..model.keys import Gather, contributions
+from ...execute.ops import gather
+from ...families.base import Family, Gather
+from ...plan.head import SIDECAR_PREFIX
 
 
 class MTPHead(nn.Module):
@@ -59,18 +61,27 @@ class MTPHead(nn.Module):
         return self.norm(h)
 
 
-def stack_experts(weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+# the runtime's module for each head design a family names (``HeadDesign.forward``)
+HEADS = {"qwen3_5-mtp": MTPHead}
+
+
+def head_class(family: Family):
+    """The head module that runs ``family``'s head design."""
+    return HEADS[family.head.forward]
+
+
+def stack_experts(weights: Dict[str, mx.array], family: Family) -> Dict[str, mx.array]:
     """Per-expert or fused expert weights -> the stacked ``switch_mlp`` ones the head's MoE layer
-    holds, through the same mapping the plan uses (``model.keys.contributions``)."""
+    holds, through the family's own mapping (``Family.contributions``, the one the plan uses)."""
     parts = defaultdict(list)
     out = {}
     for name, w in weights.items():
-        mapped = contributions("mtp." + name)
-        if len(mapped) == 1 and mapped[0].part is Gather.LOAD and mapped[0].target.endswith("mtp." + name):
+        mapped = family.contributions(SIDECAR_PREFIX + name)
+        if len(mapped) == 1 and mapped[0].part is Gather.LOAD and mapped[0].target.endswith(SIDECAR_PREFIX + name):
             out[name] = w
             continue
         for m in mapped:
-            parts[m.target[len("language_model.mtp."):]].append((m, w))
+            parts[m.target[len(family.head_prefix):]].append((m, w))
     for name, contribs in parts.items():
         if contribs[0][0].part is Gather.STACK:
             out[name] = gather([w for _, w in sorted(contribs, key=lambda c: c[0].index)], Gather.STACK)

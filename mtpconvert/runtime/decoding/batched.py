@@ -20,14 +20,17 @@ token t_r not yet fed):
 Random draws are keyed by (stream seed, output position, purpose) only, so a row's draws do not
 depend on the other rows, on when it joined, or on how the steps were cut.
 Rows join (prefilled alone, caches appended) and leave (caches filtered) between steps.
+``run_batch`` drives the steps; in its "auto" mode ``DraftPolicy`` decides before each step whether
+the rows draft, from the step times it has measured at that batch size.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -306,6 +309,83 @@ def emit(s: Stream, new: List[int], a: int, depth: int) -> None:
     st.emitted = len(s.out)
 
 
+class DraftPolicy:
+    """Draft a step only when drafting is measured to emit more tokens per second at this batch size.
+
+    Measures, per batch size B, the wall time of a drafting step and of a plain step
+    (``StepLog.seconds``: device work plus the host sync and bookkeeping) and the tokens a drafting
+    row emits per drafting step (1 + accepted drafts, moving average over all rows). A kind's cost
+    is the fastest of its last ``window`` timed steps: a slow outlier is a first-time kernel
+    compile (MLX's CUDA backend compiles each new shape) or other load, never the step's own cost,
+    and steps whose head read more than one step's pending pairs (after a join, or the first draft
+    after a plain stretch, which reads the whole stretch) are not timed at all. With n of B rows
+    drafting it predicts (n * tokens_per_row + B - n) / t_draft against B / t_plain and drafts
+    when the first is larger. Each kind is timed ``probe_steps`` times at a new B before
+    predicting; after that the losing kind is probed for ``probe_steps`` steps so its cost and the
+    acceptance stay current, first after ``reprobe`` decisions, then at doubling intervals (up to
+    ``max_interval``) while the same kind keeps losing.
+    """
+
+    def __init__(self, reprobe: int = 16, max_interval: int = 256, smoothing: float = 0.3, window: int = 8,
+                 probe_steps: int = 3):
+        self.reprobe, self.max_interval, self.smoothing = reprobe, max_interval, smoothing
+        self.window, self.probe_steps = window, probe_steps
+        self.timed: Dict[Tuple[int, bool], Deque[float]] = {}
+        self.tokens_per_row: Optional[float] = None
+        self.decisions = 0
+        self.interval = reprobe
+        self.next_probe = reprobe
+        self.probing = 0  # steps left of the current probe
+        self.last_winner: Optional[bool] = None
+
+    def seconds(self, B: int, drafted: bool) -> Optional[float]:
+        """The step cost of one kind at batch size B, or None until it was timed ``probe_steps`` times."""
+        times = self.timed.get((B, drafted))
+        return min(times) if times and len(times) >= min(self.probe_steps, self.window) else None
+
+    def predicted_rates(self, B: int, drafting: int) -> Optional[Tuple[float, float]]:
+        """(drafting tok/s, plain tok/s) at batch size B, or None until both kinds were measured."""
+        t_draft, t_plain = self.seconds(B, True), self.seconds(B, False)
+        if t_draft is None or t_plain is None or self.tokens_per_row is None:
+            return None
+        return (drafting * self.tokens_per_row + B - drafting) / t_draft, B / t_plain
+
+    def choose(self, engine: BatchedMTP) -> bool:
+        B = len(engine.streams)
+        drafting = sum(s.draft for s in engine.streams)
+        if not drafting:
+            return False
+        if self.seconds(B, True) is None or self.tokens_per_row is None:
+            return True
+        if self.seconds(B, False) is None:
+            return False
+        draft_rate, plain_rate = self.predicted_rates(B, drafting)
+        self.decisions += 1
+        better = draft_rate > plain_rate
+        if better != self.last_winner:  # the winner changed: probe soon again
+            self.interval, self.next_probe = self.reprobe, self.decisions + self.reprobe
+            self.last_winner = better
+        if self.probing:
+            self.probing -= 1
+            return not better
+        if self.decisions >= self.next_probe:
+            self.interval = min(2 * self.interval, self.max_interval)
+            self.next_probe = self.decisions + self.interval
+            self.probing = self.probe_steps - 1
+            return not better
+        return better
+
+    def observe(self, engine: BatchedMTP, record: StepLog) -> None:
+        if record.head_width <= engine.depth + 1 and not record.after_join:
+            times = self.timed.setdefault((len(record.streams), record.drafted), deque(maxlen=self.window))
+            times.append(record.seconds)
+        kept = [a for a in record.accepted if a >= 0]
+        if record.drafted and kept:
+            new = 1 + sum(kept) / len(kept)
+            old = self.tokens_per_row
+            self.tokens_per_row = new if old is None else old + self.smoothing * (new - old)
+
+
 def run_batch(
     m: MTPModel, streams: Sequence[Stream], depth: int = 1, mode: str = "mtp", join_at: Optional[Sequence[int]] = None,
     hidden: str = "post-norm", policy=None,
@@ -317,8 +397,6 @@ def run_batch(
     if mode not in ("mtp", "plain", "auto"):
         raise ValueError(f"mode must be mtp, plain or auto, not {mode!r}")
     if mode == "auto" and policy is None:
-        from .batch_bench import DraftPolicy
-
         policy = DraftPolicy()
     engine = BatchedMTP(m, depth, hidden)
     join_at = list(join_at) if join_at is not None else [0] * len(streams)

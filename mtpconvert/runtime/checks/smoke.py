@@ -16,9 +16,9 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .load import MTPModel, load
+from ..decoding.load import MTPModel, load
+from ..decoding.speculative import DecodeStats, mtp_generate, plain_generate
 from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain
-from .speculative import DecodeStats, mtp_generate, plain_generate
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -174,8 +174,8 @@ def smoke(
 
 
 def teacher_forced_mlp_gain(m: MTPModel, sequences: Sequence[Sequence[int]], hidden: str) -> PairedGain:
-    """The head's MLP gain (``runtime.mlp_gain``) teacher-forced over ``sequences``: each prompt
+    """The head's MLP gain (``runtime.checks.mlp_gain``) teacher-forced over ``sequences``: each prompt
     followed by its plain greedy decode, so the positions are the ones the decode drafted at."""
-    from .layerwise import teacher_forced_full
+    from .teacher_forced import teacher_forced_full
 
     return teacher_forced_full(m, sequences, hidden).mlp_gain_paired

@@ -18,10 +18,11 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config, load_model
 
-from ..errors import LayoutError
+from ...errors import LayoutError
+from ...families import family_for
+from ...families.base import RAW_TEXT, RAW_VLM, Family
 from .locate import HEAD_PREFIXES, locate_mtp
-from .mtp import MTPHead, stack_experts
-
+from .mtp import MTPHead, head_class, stack_experts
 
 
 @dataclass
@@ -43,7 +44,7 @@ class MTPModel:
         return self.lm.lm_head(hidden)
 
 
-def _mtp_weights(path: Path) -> Dict[str, mx.array]:
+def _mtp_weights(path: Path, family: Family) -> Dict[str, mx.array]:
     """The head's tensors by head-local name (``fc.weight``, ``layers.0...``), experts stacked."""
     located = locate_mtp(path)
     if located is None:
@@ -55,7 +56,7 @@ def _mtp_weights(path: Path) -> Dict[str, mx.array]:
     for file, names in by_file.items():
         stored = mx.load(str(file))
         weights.update({n: stored[located.prefix + n] for n in names})
-    return stack_experts(weights)
+    return stack_experts(weights, family)
 
 
 def float32_experts_on_cpu(module: nn.Module) -> int:
@@ -76,13 +77,11 @@ def float32_experts_on_cpu(module: nn.Module) -> int:
 
 def _refuse_raw(path: Path) -> None:
     """A raw Hugging Face folder has an MTP head but no MLX layout yet: say so, not "no MTP head"."""
-    from ..io.checkpoint import open_checkpoint
-    from ..model.keys import RAW_TEXT, RAW_VLM
-    from ..plan import detect_style
+    from ...io.checkpoint import open_checkpoint
 
     try:
         ckpt = open_checkpoint(path)
-        style = detect_style(ckpt.tensors)
+        style = family_for(ckpt.config).style_of(ckpt.tensors)
     except Exception:  # noqa: BLE001 - loading below names what is wrong with the folder
         return
     if style in (RAW_VLM, RAW_TEXT):
@@ -98,7 +97,8 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
     model, config = load_model(path, lazy=lazy)
     tc = config.get("text_config", config)
     n = int(tc.get("mtp_num_hidden_layers", 0) or 0)
-    weights = _mtp_weights(path)
+    family = family_for(config)
+    weights = _mtp_weights(path, family)
     if n == 0 or not weights:
         raise LayoutError(
             "no MTP head: " + ("config says mtp_num_hidden_layers=0" if n == 0
@@ -106,7 +106,7 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
             file=path,
             hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
         )
-    head = MTPHead(model.language_model.args, n)
+    head = head_class(family)(model.language_model.args, n)
     quant: Optional[dict] = config.get("quantization")
     if quant:
         def predicate(p, m):

@@ -21,12 +21,12 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from .load import MTPModel, load
-from .rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
-from .sampling import Sampling
+from ..checks.smoke import Divergence, divergence, encode_prompts
+from ..decoding.load import MTPModel, load
+from ..decoding.rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
+from ..decoding.sampling import Sampling
+from ..decoding.speculative import DecodeStats, backbone_forward, mtp_generate, plain_generate
 from .baseline import DECODER, mlx_lm_generate
-from .smoke import Divergence, divergence, encode_prompts
-from .speculative import DecodeStats, backbone_forward, mtp_generate, plain_generate
 
 
 @dataclass

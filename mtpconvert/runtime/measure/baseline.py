@@ -13,9 +13,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .load import MTPModel
-from .sampling import Sampling
-from .speculative import DecodeStats
+from ..decoding.load import MTPModel
+from ..decoding.sampling import Sampling
+from ..decoding.speculative import DecodeStats
 
 DECODER = "mlx_lm.generate.generate_step"
 

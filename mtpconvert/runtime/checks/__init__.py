@@ -1,0 +1,1 @@
+"""What gates a conversion: the decoding smoke, the layerwise (and streamed) teacher-forced check, the MLP gain."""

@@ -1,0 +1,1 @@
+"""What decodes: a converted folder loaded with its MTP head, draft/verify with rollback, batched streams."""
