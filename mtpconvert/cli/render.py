@@ -114,7 +114,7 @@ def _verdict_cell(ok, yes: str, no: str) -> str:
 
 
 def runtimes_table(runtimes: List[RuntimeCompat], layout: str, console: Console) -> None:
-    """The MTP runtime compatibility table (compat.py, headers only): one row per runtime."""
+    """The MTP runtime compatibility table (``mtpconvert.compat``, headers only): one row per runtime."""
     if not runtimes:
         return
     table = Table(title=f"MTP runtimes (head layout: {layout}; from headers)")

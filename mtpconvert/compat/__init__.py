@@ -1,0 +1,73 @@
+"""Which MTP runtimes can use a folder, and how: a table computed from headers alone.
+
+``compat(folder)`` is a pure function of a :class:`Folder` snapshot (``config.json``, the index,
+every safetensors *header* at the root and under ``mtp/``, and the ``manifest.json`` files next
+to the head files); no tensor data is read. For each runtime it answers two questions:
+
+* ``backbone_exact``: does the runtime load the backbone exactly as written?  (The known trap:
+  mlx-lm 0.30.7-0.31.x adds +1 to every backbone RMSNorm a second time when any key of a
+  ``model*.safetensors`` file contains ``mtp.``; mtplx and vllm-mlx run on mlx-lm 0.31 and
+  inherit it, rapid-mlx undoes it.)  ``None`` where the folder has no backbone (a drafter).
+* ``head_usable``: does it find the MTP head and read it with the right norms, expert layout and
+  quantization?  The reason says where it found the head, or why not.
+
+Every rule was checked by running the runtime on converted fixtures: stock mlx-lm, mlx-vlm 0.7.10
+and the mlx-lm PR #990 branch in ``docs/interop.md``; mtplx 2.12.2, rapid-mlx 0.16.10 and
+vllm-mlx 0.6.0 in ``interop/notes-mtplx-rapid-vllm.md`` (file/line references there).
+
+One module per runtime contract, each saying what that runtime's loader reads and which version
+it was measured on: :mod:`.mlx_lm` (both sides of 0.32), :mod:`.mlx_vlm`, :mod:`.mtplx`,
+:mod:`.rapid_mlx`, :mod:`.vllm_mlx`, :mod:`.pr990`. Underneath them: :mod:`.folder` (the snapshot
+and the facts the contracts ask of it), :mod:`.head` (the head as a runtime reads it) and
+:mod:`.report` (the verdicts and the table). ``python -m mtpconvert.compat DIR [--json]`` prints it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from . import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
+from .folder import (DRAFTER_TYPE, MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, layout_of, planned_folder, read_folder,
+                     read_header)
+from .head import Head
+from .report import PRECISION, CompatReport, RuntimeCompat, Verdict, precision_warnings, render, why
+
+__all__ = ["CONTRACTS", "DRAFTER_TYPE", "MODEL_MTP", "PRECISION", "RUNTIMES", "SIDECAR", "SIDECAR_LINK",
+           "CompatReport", "Contract", "Folder", "Head", "RuntimeCompat", "Verdict", "check_folder", "compat",
+           "layout_of", "planned_folder", "precision_warnings", "read_folder", "read_header", "render",
+           "runtime_table", "why"]
+
+Contract = Callable[[Folder, str], RuntimeCompat]  # (folder, its layout_of) -> that runtime's row
+
+# runtime -> its contract, in the table's order
+CONTRACTS: Dict[str, Contract] = {
+    mlx_lm.OLD[0]: mlx_lm.compat_old,
+    mlx_lm.NEW[0]: mlx_lm.compat_new,
+    mlx_vlm.NAME: mlx_vlm.compat,
+    mtplx.NAME: mtplx.compat,
+    rapid_mlx.NAME: rapid_mlx.compat,
+    vllm_mlx.NAME: vllm_mlx.compat,
+    pr990.NAME: pr990.compat,
+}
+
+# ("mlx-lm<0.32", "mlx-lm>=0.32", "mlx-vlm", "mtplx", "rapid-mlx", "vllm-mlx", "mlx-lm-pr990")
+RUNTIMES = tuple(CONTRACTS)
+
+
+def compat(folder: Folder) -> CompatReport:
+    """Per-runtime compatibility of a folder, from its config and headers only."""
+    layout = layout_of(folder)
+    return CompatReport(folder=folder.path, layout=layout, runtimes=[CONTRACTS[r](folder, layout) for r in RUNTIMES])
+
+
+def check_folder(path: Path) -> CompatReport:
+    return compat(read_folder(path))
+
+
+def runtime_table(path: Path) -> Optional[CompatReport]:
+    """``check_folder``, or None where the folder cannot be read (verify reports why on its own)."""
+    try:
+        return check_folder(Path(path))
+    except (OSError, ValueError):
+        return None

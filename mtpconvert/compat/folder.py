@@ -1,0 +1,239 @@
+"""The folder as the rules see it, and the facts every runtime contract asks of it.
+
+A :class:`Folder` is a snapshot of ``config.json``, the index, every safetensors *header* at the root
+and under ``mtp/``, and the manifests next to the head files; it is read from disk
+(:func:`read_folder`) or from a conversion plan (:func:`planned_folder`), never from tensor data.
+The helpers below answer what the contracts share: which files a glob finds, which keys they hold,
+where the head sits (:func:`layout_of`), and the verdicts every contract gives alike.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from .report import Verdict
+
+MAX_HEADER = 100 * 1024 * 1024  # a safetensors header is JSON; refuse absurd lengths
+BARE_HEAD_STARTS = ("fc.", "pre_fc_norm", "layers.", "norm.")  # head keys with no prefix at all
+DRAFTER_TYPE = "qwen3_5_mtp"  # mlx-vlm's separate drafter folder
+SIDECAR = "mtp.safetensors"
+SIDECAR_LINK = "mtp/weights.safetensors"
+MODEL_MTP = "model-mtp.safetensors"
+
+
+@dataclass
+class Folder:
+    """What the rules look at. ``headers`` maps a path relative to the folder (``model-00001-of-
+    00002.safetensors``, ``mtp.safetensors``, ``mtp/weights.safetensors``) to its parsed header
+    (tensor name -> {dtype, shape, data_offsets}, plus ``__metadata__``)."""
+
+    config: dict
+    headers: Dict[str, dict]
+    index: Optional[dict] = None
+    manifests: Dict[str, dict] = field(default_factory=dict)  # e.g. {"mtp/manifest.json": {...}}
+    path: str = ""
+
+
+# --------------------------------------------------------------------------- reading (I/O)
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER:
+            raise ValueError(f"{path}: header length {n} is not plausible")
+        data = f.read(n)
+        if len(data) != n:
+            raise ValueError(f"{path}: truncated header")
+    header = json.loads(data)
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: header is not a JSON object")
+    return header
+
+
+MANIFESTS = ("manifest.json", "mtp/manifest.json")  # vllm-mlx reads the one next to its head file
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except ValueError:
+        return {"__unreadable__": True}
+    return value if isinstance(value, dict) else {"__unreadable__": True}
+
+
+def read_folder(path: Path) -> Folder:
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("mtp/*.safetensors"))
+    named = _named_mtp_file(config)
+    if named:
+        f = (path / named).resolve()
+        if f.is_file() and path.resolve() in f.parents and f not in [x.resolve() for x in files]:
+            files.append(f)
+    headers = {}
+    for f in files:
+        rel = (f.parent.resolve() / f.name).relative_to(path.resolve()).as_posix()  # keep link names
+        headers[rel] = read_header(f)
+    index = None
+    if (path / "model.safetensors.index.json").is_file():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+    manifests = {m: _read_json(path / m) for m in MANIFESTS if (path / m).is_file()}
+    return Folder(config=config, headers=headers, index=index, manifests=manifests, path=str(path))
+
+
+def planned_folder(plan) -> Folder:
+    """The folder ``plan`` will write, as the rules see it (headers from the plan's output specs):
+    the compat table of a conversion before any data is read."""
+    from ..execute.run import index_json, shard_order
+    from ..io.checkpoint import MTP_FILE
+    from ..io.shard_writer import shard_header
+    from ..plan.head import MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
+
+    headers = {shard: shard_header([spec for item in items for spec in item.outputs()], {"format": "mlx"})
+               for shard, items in shard_order(plan).items()}
+    manifests = {}
+    if MTP_FILE in headers:
+        headers[MTP_LINK] = headers[MTP_FILE]
+        manifests[MTP_MANIFEST] = dict(MTP_MANIFEST_BODY)
+    return Folder(config=plan.config, headers=headers, index=index_json(plan), manifests=manifests, path="(planned)")
+
+
+# --------------------------------------------------------------------------- folder facts
+
+
+def _tensors(header: dict) -> Dict[str, dict]:
+    return {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def _metadata(header: dict) -> dict:
+    m = header.get("__metadata__")
+    return m if isinstance(m, dict) else {}
+
+
+def _text(config: dict) -> dict:
+    tc = config.get("text_config")
+    return tc if isinstance(tc, dict) else config
+
+
+def _mtp_layers(config: dict) -> int:
+    tc = _text(config)
+    return int(tc.get("mtp_num_hidden_layers") or tc.get("num_nextn_predict_layers")
+               or config.get("num_nextn_predict_layers") or 0)
+
+
+def _is_drafter(config: dict) -> bool:
+    return DRAFTER_TYPE in (config.get("model_type"), _text(config).get("model_type"))
+
+
+def _named_mtp_file(config: dict) -> Optional[str]:
+    extra = config.get("mlx_lm_extra_tensors")
+    named = extra.get("mtp_file") if isinstance(extra, dict) else None
+    return named if isinstance(named, str) and named else None
+
+
+def _root(folder: Folder) -> List[str]:
+    return [n for n in folder.headers if "/" not in n]
+
+
+def _glob_model(folder: Folder) -> List[str]:
+    """The files mlx-lm's ``load_model`` reads: ``glob(model_path / "model*.safetensors")``."""
+    return sorted(n for n in _root(folder) if fnmatch.fnmatchcase(n, "model*.safetensors"))
+
+
+def _backbone_shards(folder: Folder) -> List[str]:
+    """The model shards proper: the glob less the head-only ``model-mtp.safetensors``."""
+    return [n for n in _glob_model(folder) if n != MODEL_MTP]
+
+
+def _keys_with(folder: Folder, files: List[str], pred: Callable[[str], bool]) -> List[Tuple[str, str]]:
+    return [(f, k) for f in files for k in _tensors(folder.headers[f]) if pred(k)]
+
+
+def _conv_raw(folder: Folder, files: List[str]) -> bool:
+    """A raw (PyTorch-layout) checkpoint: some ``conv1d.weight`` is ``[C, 1, K]`` with K > 1."""
+    for f in files:
+        for k, v in _tensors(folder.headers[f]).items():
+            if "conv1d.weight" in k and (v.get("shape") or [1])[-1] != 1:
+                return True
+    return False
+
+
+def _is_bare_head_key(key: str) -> bool:
+    return key.startswith(BARE_HEAD_STARTS)
+
+
+def _has_bare_head(folder: Folder, file: str) -> bool:
+    return any(_is_bare_head_key(k) for k in _tensors(folder.headers.get(file, {})))
+
+
+def _is_moe(config: dict) -> bool:
+    return int(_text(config).get("num_experts", 0) or 0) > 0
+
+
+def _files_str(files: List[str]) -> str:
+    return ", ".join(files[:3]) + (f" (+{len(files) - 3})" if len(files) > 3 else "")
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def _places(folder: Folder) -> List[str]:
+    """Where head tensors sit: ``in-model`` (keys with ``mtp.`` in the model shards) and each
+    other file holding head keys (prefixed or bare)."""
+    places = ["in-model"] if _keys_with(folder, _backbone_shards(folder), lambda k: "mtp." in k) else []
+    shards = set(_backbone_shards(folder))
+    for name in sorted(folder.headers):
+        keys = _tensors(folder.headers[name])
+        if name not in shards and any("mtp." in k or _is_bare_head_key(k) for k in keys):
+            places.append(name)
+    return places
+
+
+def layout_of(folder: Folder) -> str:
+    """``sidecar``: the head in root mtp.safetensors (with or without the same header again at
+    mtp/weights.safetensors); ``sidecar:<file>``: one other head file; ``in-model``; ``drafter``
+    (mlx-vlm's drafter folder); ``none``; ``mixed:<a>+<b>``: the head in more than one place."""
+    if _is_drafter(folder.config):
+        return "drafter"
+    places = _places(folder)
+    if SIDECAR in places and SIDECAR_LINK in places and folder.headers[SIDECAR] == folder.headers[SIDECAR_LINK]:
+        places.remove(SIDECAR_LINK)  # the link vllm-mlx reads: one head, two names
+    if not places:
+        return "none"
+    if len(places) > 1:
+        return "mixed:" + "+".join(places)
+    if places == ["in-model"]:
+        return "in-model"
+    return "sidecar" if places == [SIDECAR] else "sidecar:" + places[0]
+
+
+# --------------------------------------------------------------------------- shared verdicts
+
+NO_BACKBONE = Verdict(None, "drafter folder (model_type qwen3_5_mtp): the head only, no backbone")
+
+
+def _no_head(layout: str) -> Optional[Verdict]:
+    if layout == "none":
+        return Verdict(False, "the folder has no MTP tensors")
+    return None
+
+
+def _drafter_head(runtime: str) -> Verdict:
+    return Verdict(False, f"drafter folder (model_type qwen3_5_mtp): {runtime} reads the head from the model "
+                          "folder it serves, not from a separate drafter")
+
+
+def _no_mtp_layers(folder: Folder) -> Optional[Verdict]:
+    if _mtp_layers(folder.config) == 0:
+        return Verdict(False, "config declares no MTP layers (mtp_num_hidden_layers is 0): nothing is injected")
+    return None
