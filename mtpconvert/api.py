@@ -183,25 +183,16 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
     that many GB ahead, so raw data on disk does not depend on the shard size.
     """
     from .hub import pull
-    from .hub.stream import DEFAULT_PREFETCH_SHARDS, shards_held, window_bytes
+    from .hub.stream import raw_policy
 
-    for flag, value in (("--prefetch-shards", prefetch_shards), ("--raw-window", raw_window_gb)):
-        if value is not None and not stream:
-            raise OptionsError(f"{flag} needs --stream (a plain pull downloads every shard first)")
-    if prefetch_shards is not None and raw_window_gb is not None:
-        raise OptionsError("--prefetch-shards and --raw-window exclude each other: whole shards or byte ranges")
-    window = window_bytes(raw_window_gb) if raw_window_gb is not None else None
-    prefetch = DEFAULT_PREFETCH_SHARDS if prefetch_shards is None else prefetch_shards
-    keep = shards_held(prefetch)
+    keep, window, stream_record = raw_policy(stream, prefetch_shards, raw_window_gb)
     events = events or Events()
     events.stage(f"resolving {repo_id}")
     pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
     out = Path(out) if out is not None else default_out(repo_id, options)
     meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
-    if window is not None:
-        meta["stream"] = {"raw_window_gb": raw_window_gb}
-    elif stream and prefetch != DEFAULT_PREFETCH_SHARDS:  # the default leaves the record as a plain pull's
-        meta["stream"] = {"prefetch_shards": prefetch}
+    if stream_record is not None:
+        meta["stream"] = stream_record
     local = Path(local_dir) if local_dir else None
     if stream:
         publish = {"repo_id": upload_repo, "private": private} if upload_repo else None
@@ -233,8 +224,10 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
     ``publish`` ({"repo_id", "private"}): each finished output shard is uploaded as it is written and one
     commit publishes the folder once the checks passed (``hub.publish``). ``keep``: raw shards held at once."""
     from .hub import pull
+    from .hub.publish import committer, shard_publisher
     from .hub.sparse import RangeReader
-    from .hub.stream import RangeStream, ShardStream, first_use_order
+    from .hub.ranges import RangeStream
+    from .hub.stream import ShardStream, first_use_order
 
     stage = local_dir or out.absolute().parent / f".{out.name}.stream"
     publisher = None
@@ -244,7 +237,7 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
                                absent=pulled.skipped_shards)
         plan_ = build_plan(ckpt, options)
         if publish:
-            publisher = _publisher(publish, out, token, plan_, checks)
+            publisher = shard_publisher(publish, _partial(out.absolute()), token, plan_, checks)
         if window is not None:
             feed = RangeStream(RangeReader(pulled.repo_id, pulled.sha, token=token).read, window)
         else:
@@ -256,7 +249,7 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
         try:
             result = _execute(plan_, ckpt, out, checks=checks, overwrite=overwrite, resume=resume, events=events,
                               extra_metadata=meta, stream=feed, publisher=publisher,
-                              after_checks=_committer(publisher, publish, events) if publisher else None)
+                              after_checks=committer(publisher, publish, events.stage) if publisher else None)
         except BaseException:
             feed.abandon()  # Ctrl-C must not wait for a multi-GB download in flight
             if publisher is not None:
@@ -270,36 +263,6 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
     finally:
         if local_dir is None:
             shutil.rmtree(stage, ignore_errors=True)
-
-
-def _publisher(publish: dict, out: Path, token: Optional[str], plan_: Plan, checks: Checks):
-    """Shards go up as they are written. With the smoke on, the layerwise smoke is fed each shard as it
-    is finished and the shard's data is freed once uploaded and consumed (disk: two output shards);
-    only ``--smoke-mode full``, which loads the whole folder, keeps every shard until the end."""
-    from .execute.run import index_json
-    from .hub.publish import ShardPublisher
-    from .runtime.streamed import StreamedLayerwise
-
-    smoke = checks.smoke and plan_.mtp_layers > 0
-    consumer = None
-    if smoke and checks.smoke_mode != "full":
-        consumer = StreamedLayerwise(index_json(plan_)["weight_map"], prompts=checks.prompts,
-                                     min_acceptance=checks.floor_for("layerwise"), min_mlp_gain=checks.min_mlp_gain)
-    return ShardPublisher(publish["repo_id"], _partial(out.absolute()), token=token, private=publish["private"],
-                          keep_files=smoke and consumer is None, consumer=consumer)
-
-
-def _committer(publisher, publish: dict, events: Events) -> Callable[[Path, CheckRecord], None]:
-    """After the checks pass, on the temp folder: the card (from the folder and the checks) and the one commit."""
-    from .hub.card import model_card
-
-    def commit(folder: Path, record: CheckRecord) -> None:
-        card = model_card(folder, publish["repo_id"], smoke_acceptance=record.smoke_acceptance,
-                          verify_ok=record.verify_ok)
-        events.stage(f"committing to {publish['repo_id']}")
-        publish["commit_url"] = publisher.commit(folder, card, "Upload MLX conversion with MTP head (mtpconvert)")
-
-    return commit
 
 
 def _drop_stubs(out: Path, stubbed: Sequence[str], events: Events) -> None:
@@ -380,6 +343,14 @@ def verify(path: PathLike, deep: bool = False):
     return run(Path(path), deep=deep)
 
 
+def families() -> List[dict]:
+    """Every supported model family: its config model_types, head design, mlx-lm modules and the runtimes
+    that use its head (``Family.describe``)."""
+    from .families import FAMILIES
+
+    return [family.describe() for family in FAMILIES]
+
+
 def runtimes(path: PathLike):
     """Which MTP runtimes can load the folder and use its head, from headers alone; see ``compat.CompatReport``."""
     from .compat import check_folder
@@ -398,7 +369,7 @@ def _readable_shards(folder: Path) -> None:
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
           hidden: str = "post-norm", min_acceptance: Optional[float] = None):
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
-    from .runtime.smoke import smoke as run
+    from .runtime.checks.smoke import smoke as run
 
     _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, hidden, Checks(min_acceptance=min_acceptance).floor_for("full"))
@@ -412,9 +383,9 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
 
     With ``concurrency`` (e.g. [1, 2, 4, 8]): batched MTP against mlx-lm's BatchGenerator at each
     number of concurrent streams, for the first of ``hiddens``
-    (``runtime.batch_bench.ConcurrencyResult``)."""
-    from .runtime.bench import bench as run
-    from .runtime.sampling import Sampling
+    (``runtime.measure.batch_bench.ConcurrencyResult``)."""
+    from .runtime.decoding.sampling import Sampling
+    from .runtime.measure.bench import bench as run
 
     if any(d < 1 for d in depths):
         raise OptionsError("--depth must be >= 1")
@@ -426,9 +397,9 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
         raise OptionsError(str(e)) from None
     _readable_shards(Path(path))
     if concurrency is not None:
-        from .runtime.batch_bench import bench_concurrency
-        from .runtime.load import load
-        from .runtime.smoke import encode_prompts
+        from .runtime.checks.smoke import encode_prompts
+        from .runtime.decoding.load import load
+        from .runtime.measure.batch_bench import bench_concurrency
 
         return bench_concurrency(load(Path(path)), str(path), encode_prompts(Path(path), prompts), concurrency,
                                  max_tokens, depths, sampling, seed, hiddens[0], on_tokens=on_tokens)

@@ -417,7 +417,7 @@ def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, t
     made (the fused backbone experts as one gate or up half per expert) and are punched out after it is
     written, so raw data on disk stays near the window while the shards are several times larger. Every
     byte is fetched once, the output bytes are those of a plain pull, and the record gives the command."""
-    from mtpconvert.hub import stream as streaming
+    from mtpconvert.hub import ranges
     from mtpconvert.io.header import read_header
     from mtpconvert.provenance import command_args
 
@@ -430,7 +430,7 @@ def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, t
     def on_disk() -> int:  # allocated bytes: holes and punched ranges do not count
         return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
 
-    real_init, real_acquire = streaming.RangeStream.__init__, streaming.RangeStream.acquire
+    real_init, real_acquire = ranges.RangeStream.__init__, ranges.RangeStream.acquire
 
     def init(self, *a, **kw):
         real_init(self, *a, **kw)
@@ -440,8 +440,8 @@ def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, t
         real_acquire(self, key)
         usage.append(on_disk())
 
-    monkeypatch.setattr(streaming.RangeStream, "__init__", init)
-    monkeypatch.setattr(streaming.RangeStream, "acquire", acquire)
+    monkeypatch.setattr(ranges.RangeStream, "__init__", init)
+    monkeypatch.setattr(ranges.RangeStream, "acquire", acquire)
     args = ["--bits", "4", "--group-size", "32", "--no-smoke"]
     out = tmp_path / "streamed"
     result = runner.invoke(app, ["pull-and-quantize", repo, str(out), "--stream", "--raw-window",

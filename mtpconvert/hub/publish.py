@@ -19,7 +19,7 @@ resume record (sha256, size, first 512 bytes) lets the next run skip rebuilding 
 stub is there and whose object the Hub still reports holding.
 
 The smoke needs the weights, and no Hub API serves an object before it is committed. With a
-``consumer`` (``runtime.streamed.StreamedLayerwise``: the layerwise smoke fed shard by shard) each
+``consumer`` (``runtime.checks.streamed.StreamedLayerwise``: the layerwise smoke fed shard by shard) each
 finished shard is fed to it first, and a shard is stubbed once it is both uploaded and released
 by the consumer (it no longer reads from it: it has run the layers the shard completes and holds in
 memory what it reads later): disk stays two output shards and the sidecar (plus the consumer's copy
@@ -34,10 +34,11 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ..io.output_folder import RESUME_DIR
-from ..plan.build import MTP_FILE, MTP_LINK
+from ..io.checkpoint import MTP_FILE
+from ..plan.head import MTP_LINK
 from .errors import HubError, hub_api, hub_error
 from .upload import folder_operations
 
@@ -260,3 +261,32 @@ def _upload_error(e: Exception, repo_id: str, name: str) -> Exception:
         return mapped
     return HubError(f"uploading {name} to {repo_id} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
                     file=name)
+
+
+def shard_publisher(publish: dict, partial: Path, token: Optional[str], plan, checks) -> ShardPublisher:
+    """Shards go up as they are written. With the smoke on, the layerwise smoke is fed each shard as it
+    is finished and the shard's data is freed once uploaded and consumed (disk: two output shards);
+    only ``--smoke-mode full``, which loads the whole folder, keeps every shard until the end."""
+    from ..execute.run import index_json
+    from ..runtime.checks.streamed import StreamedLayerwise
+
+    smoke = checks.smoke and plan.mtp_layers > 0
+    consumer = None
+    if smoke and checks.smoke_mode != "full":
+        consumer = StreamedLayerwise(index_json(plan)["weight_map"], prompts=checks.prompts,
+                                     min_acceptance=checks.floor_for("layerwise"), min_mlp_gain=checks.min_mlp_gain)
+    return ShardPublisher(publish["repo_id"], partial, token=token, private=publish["private"],
+                          keep_files=smoke and consumer is None, consumer=consumer)
+
+
+def committer(publisher: ShardPublisher, publish: dict, on_stage: Callable[[str], None]) -> Callable:
+    """After the checks pass, on the temp folder: the card (from the folder and the checks) and the one commit."""
+    from .card import model_card
+
+    def commit(folder: Path, record) -> None:
+        card = model_card(folder, publish["repo_id"], smoke_acceptance=record.smoke_acceptance,
+                          verify_ok=record.verify_ok)
+        on_stage(f"committing to {publish['repo_id']}")
+        publish["commit_url"] = publisher.commit(folder, card, "Upload MLX conversion with MTP head (mtpconvert)")
+
+    return commit
