@@ -20,15 +20,14 @@ from typing import Callable, List, Optional, Sequence
 from .errors import LayoutError
 from .execute.blocks import produce
 from .hub.sparse import fetch_sparse
-from .io.checkpoint import INDEX_NAME, open_checkpoint
+from .io.checkpoint import INDEX_NAME, MTP_FILE, open_checkpoint
 from .io.output_folder import OutputFolder
 from .io.reader import TensorReader
 from .io.shard_writer import StreamingShardWriter
 from .execute.run import link_head
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
-from .plan.build import MTP_FILE
-from .runtime.locate import HEAD_PREFIXES
+from .runtime.decoding.locate import HEAD_PREFIXES
 
 IN_MODEL_SHARD = "model-mtp.safetensors"  # --mtp-layout in-model: a model shard the index lists
 MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}

@@ -20,10 +20,9 @@ from .errors import ConvertError, LayoutError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .io.header import mlx_dtype_name
 from .io.reader import TensorReader
-from .model.keys import MLX, QUANT_AUX, Gather, contributions, key_style, source_name
-from .model.slots import CONV, FC, LM, MTP, QUANTIZABLE, SWITCH, Slot, expected_slots, is_zero_centred_norm
-from .model.spec import ModelSpec, model_spec, text_config
-from .plan import count_mtp_layers, detect_raw, detect_style
+from .families import family_for
+from .families.base import CONV, FC, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot, text_config
+from .plan.head import SIDECAR_PREFIX
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 # Classification of a norm vector by its mean: raw zero-centred weights sit near 0,
@@ -84,20 +83,21 @@ def verify(path: Path, deep: bool = False) -> Report:
         return report
     report.tensors, report.shards = len(ckpt.tensors), len(ckpt.shards)
     try:
-        spec = model_spec(ckpt.config)
+        family = family_for(ckpt.config)
+        spec = family.spec(ckpt.config)
     except ConvertError as e:
         report.add(e.code, ERROR, e.detail, e.key, ckpt.root / "config.json")
         return report
     report.model_type, report.moe, report.vlm = spec.model_type, spec.is_moe, spec.nested
     report.mtp_layers_config = spec.mtp_layers
     try:
-        report.layout = detect_style(ckpt.tensors)
-        raw = detect_raw(ckpt)
+        report.layout = family.style_of(ckpt.tensors)
+        raw = family.norms_zero_centred(ckpt.tensors)
     except ConvertError as e:
         report.add("layout", ERROR, e.detail, e.key, e.file)
         return report
-    _check_tensors(ckpt, spec, raw, report)
-    _check_norms(ckpt, raw, report)
+    _check_tensors(ckpt, family, spec, raw, report)
+    _check_norms(ckpt, family, raw, report)
     _check_config(ckpt, spec, report)
     if deep:
         _check_finite(ckpt, report)
@@ -136,30 +136,35 @@ def _check_finite(ckpt: Checkpoint, report: Report) -> None:
         reader.close()
 
 
-def canonical_module(module: str) -> str:
-    """A stored module path under its canonical MLX name: the sidecar's ``mtp.X`` is
-    ``language_model.mtp.X``."""
-    return LM + module if module.startswith("mtp.") else module
+def canonical_module(module: str, family: Family) -> str:
+    """A stored module path under its canonical MLX name: the sidecar's ``mtp.X`` is the family's
+    head prefix + ``X`` (``language_model.mtp.X``)."""
+    return family.head_prefix + module[len(SIDECAR_PREFIX):] if module.startswith(SIDECAR_PREFIX) else module
 
 
-def _stored_weight(ckpt: Checkpoint, module: str) -> Optional[str]:
+def sidecar_module(module: str, family: Family) -> str:
+    """A canonical head module under its sidecar name (``mtp.X``)."""
+    return SIDECAR_PREFIX + module[len(family.head_prefix):]
+
+
+def _stored_weight(ckpt: Checkpoint, module: str, family: Family) -> Optional[str]:
     """The key holding a canonical module's weight, in the shards or in the MTP sidecar."""
-    for key in (module + ".weight", module[len(LM):] + ".weight" if module.startswith(LM + "mtp.") else None):
+    for key in (module + ".weight", sidecar_module(module, family) + ".weight" if family.is_head(module) else None):
         if key and key in ckpt.tensors:
             return key
     return None
 
 
-def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report) -> None:
+def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Report) -> None:
     aux: Dict[str, Dict[str, str]] = defaultdict(dict)  # canonical module -> {scales|biases: key}
     targets: Dict[str, List] = defaultdict(list)
     expert_styles = Counter()
     for key in ckpt.tensors:
         if m := QUANT_AUX.search(key):
-            aux[canonical_module(key[: m.start()])][m.group(1)] = key
+            aux[canonical_module(key[: m.start()], family)][m.group(1)] = key
             continue
         try:
-            mapped = contributions(key)
+            mapped = family.contributions(key)
         except LayoutError as e:
             report.add("tensor-unexpected", ERROR, e.detail, key, ckpt.tensors[key].file)
             continue
@@ -167,13 +172,13 @@ def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report)
             if m.target is not None:
                 targets[m.target].append(m)
         if (style := mapped[0].expert_layout) is not None:
-            group = MTP if mapped[0].target.startswith(LM + "mtp.") else "backbone"
+            group = MTP if family.is_head(mapped[0].target) else "backbone"
             expert_styles[(group, style)] += 1
     if expert_styles:
         styles = sorted({s for _, s in expert_styles})
         report.experts = styles[0] if len(styles) == 1 else "mixed"
 
-    n_mtp, any_mtp = count_mtp_layers(targets)
+    n_mtp, any_mtp = family.head_layers(targets)
     report.mtp_layers_found = n_mtp
     if spec.mtp_layers and not any_mtp:
         report.add("mtp-missing", ERROR,
@@ -184,7 +189,7 @@ def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report)
         report.add("mtp-count", ERROR,
                    f"folder has {n_mtp} MTP layer(s), config.json says {spec.mtp_layers}")
 
-    slots = expected_slots(spec, max(n_mtp, spec.mtp_layers if any_mtp else 0))
+    slots = family.expected_slots(spec, max(n_mtp, spec.mtp_layers if any_mtp else 0))
     style = report.layout
     missing = []
     for name, slot in slots.items():
@@ -193,38 +198,38 @@ def _check_tensors(ckpt: Checkpoint, spec: ModelSpec, raw: bool, report: Report)
             missing.append(slot)
             continue
         if slot.kind == SWITCH:
-            _check_experts(ckpt, slot, contribs, spec, report)
+            _check_experts(ckpt, family, slot, contribs, spec, report)
             continue
         _check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
     for slot in missing:
         code = "mtp-incomplete" if slot.group == MTP and any_mtp else "tensor-missing"
         if slot.group == MTP and not any_mtp:
             continue  # reported once as mtp-missing
-        report.add(code, ERROR, f"missing {slot.name}", source_name(slot.name, style))
+        report.add(code, ERROR, f"missing {slot.name}", family.source_name(slot.name, style))
     report.mtp_complete = any_mtp and not any(s.group == MTP for s in missing) and n_mtp == spec.mtp_layers
 
     tie = spec.tie_word_embeddings
     for name, contribs in targets.items():
         if name in slots:
             continue
-        if tie and name == LM + "lm_head.weight":
+        if tie and name == family.lm_head:
             continue
         for c in contribs:
             report.add("tensor-unexpected", ERROR, "tensor has no slot in this model under its config",
                        c.source, ckpt.tensors[c.source].file)
-    _check_quantization(ckpt, slots, aux, report)
+    _check_quantization(ckpt, family, slots, aux, report)
 
     dtypes: Dict[str, Counter] = defaultdict(Counter)
     for key, info in ckpt.tensors.items():
         if QUANT_AUX.search(key):
             continue
         group = "vision" if "visual" in key or key.startswith("vision_tower") else (
-            MTP if key.startswith(("mtp.", LM + "mtp.")) else "backbone")
+            MTP if key.startswith((SIDECAR_PREFIX, family.head_prefix)) else "backbone")
         dtypes[group][mlx_dtype_name(info.dtype)] += 1
     report.dtypes = {g: dict(c) for g, c in dtypes.items()}
 
 
-def _check_experts(ckpt, slot: Slot, contribs, spec: ModelSpec, report: Report) -> None:
+def _check_experts(ckpt, family: Family, slot: Slot, contribs, spec, report: Report) -> None:
     per_expert = [c for c in contribs if c.part is Gather.STACK]
     if per_expert:
         if report.layout == MLX and slot.group == MTP:
@@ -233,7 +238,7 @@ def _check_experts(ckpt, slot: Slot, contribs, spec: ModelSpec, report: Report) 
             report.add("mtp-moe-per-expert", INFO,
                        f"experts of {slot.module} are stored per expert (the mlx-lm PR #990 form)",
                        per_expert[0].source)
-        elif key_style(contribs[0].source) == MLX:
+        elif family.key_style(contribs[0].source) == MLX:
             report.add("moe-unstacked", ERROR,
                        f"experts of {slot.module} are stored per expert; MLX runtimes need stacked "
                        "switch_mlp weights", per_expert[0].source)
@@ -272,9 +277,9 @@ def _check_shape(ckpt, slot: Slot, key: str, raw: bool, aux, report: Report) -> 
                    key, info.file)
 
 
-def infer_quant(ckpt, slot: Slot, aux: Dict[str, str]) -> Optional[dict]:
+def infer_quant(ckpt, family: Family, slot: Slot, aux: Dict[str, str]) -> Optional[dict]:
     """(bits, group_size, mode) recovered from packed shapes, like mlx-lm's loader."""
-    weight_key = _stored_weight(ckpt, slot.module)
+    weight_key = _stored_weight(ckpt, slot.module, family)
     if weight_key is None or "scales" not in aux:
         return None
     in_dim = slot.shape[-1]
@@ -289,7 +294,7 @@ def infer_quant(ckpt, slot: Slot, aux: Dict[str, str]) -> Optional[dict]:
     return {"group_size": group, "bits": bits, "mode": mode}
 
 
-def _check_quantization(ckpt: Checkpoint, slots: Dict[str, Slot], aux, report: Report) -> None:
+def _check_quantization(ckpt: Checkpoint, family: Family, slots: Dict[str, Slot], aux, report: Report) -> None:
     block = ckpt.config.get("quantization")
     if block is None:
         block = text_config(ckpt.config).get("quantization")
@@ -301,7 +306,7 @@ def _check_quantization(ckpt: Checkpoint, slots: Dict[str, Slot], aux, report: R
     for slot in slots.values():
         if slot.kind not in QUANTIZABLE:
             continue
-        have = infer_quant(ckpt, slot, aux.get(slot.module, {}))
+        have = infer_quant(ckpt, family, slot, aux.get(slot.module, {}))
         summary[slot.group]["unquantized" if have is None else f"{have['bits']}b/g{have['group_size']}/{have['mode']}"] += 1
         if slot.kind == FC and have is not None:
             report.add("mtp-fc-quantized", ERROR,
@@ -315,7 +320,7 @@ def _check_quantization(ckpt: Checkpoint, slots: Dict[str, Slot], aux, report: R
                 report.add("quant-config-mismatch", ERROR,
                            "weights are quantized but config.json has no quantization block", slot.module + ".weight")
             continue
-        declared = block.get(slot.module, block.get(slot.module[len(LM):]) if slot.group == MTP else None)
+        declared = block.get(slot.module, block.get(sidecar_module(slot.module, family)) if slot.group == MTP else None)
         if declared is None:
             if have is None:
                 continue  # unlisted and unquantized: mlx-lm's loader also infers this from the missing scales
@@ -338,17 +343,17 @@ def _check_quantization(ckpt: Checkpoint, slots: Dict[str, Slot], aux, report: R
     report.quantization = {g: dict(c) for g, c in summary.items()}
 
 
-def _norm_keys(ckpt: Checkpoint) -> Dict[str, List[str]]:
+def _norm_keys(ckpt: Checkpoint, family: Family) -> Dict[str, List[str]]:
     groups: Dict[str, List[str]] = defaultdict(list)
     for key in ckpt.tensors:
         if QUANT_AUX.search(key):
             continue
         try:
-            (mapped, *_) = contributions(key)
+            (mapped, *_) = family.contributions(key)
         except LayoutError:
             continue
-        if mapped.target and is_zero_centred_norm(mapped.target):
-            groups[MTP if mapped.target.startswith(LM + "mtp.") else "backbone"].append(key)
+        if mapped.target and family.is_zero_centred_norm(mapped.target):
+            groups[MTP if family.is_head(mapped.target) else "backbone"].append(key)
     return groups
 
 
@@ -360,10 +365,10 @@ def classify_norm(mean: float) -> str:
     return "double-shifted"
 
 
-def _check_norms(ckpt: Checkpoint, raw: bool, report: Report) -> None:
+def _check_norms(ckpt: Checkpoint, family: Family, raw: bool, report: Report) -> None:
     """Read the norm vectors (a few KB each) and compare their centre with the layout."""
     with TensorReader() as reader:
-        for group, keys in _norm_keys(ckpt).items():
+        for group, keys in _norm_keys(ckpt, family).items():
             means = [float(mx.mean(reader.read(ckpt.tensors[k]).astype(mx.float32))) for k in keys]
             centre = statistics.median(means)
             state = classify_norm(centre)
@@ -381,7 +386,7 @@ def _check_norms(ckpt: Checkpoint, raw: bool, report: Report) -> None:
                            f"{group} norms are centred near {centre:.2f}: +1 was applied twice")
 
 
-def _check_config(ckpt: Checkpoint, spec: ModelSpec, report: Report) -> None:
+def _check_config(ckpt: Checkpoint, spec, report: Report) -> None:
     tc = text_config(ckpt.config)
     if "tie_word_embeddings" not in tc and ckpt.config.get("tie_word_embeddings"):
         report.add("tie-top-level", WARNING,

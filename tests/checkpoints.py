@@ -17,10 +17,11 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from mtpconvert.model.spec import model_spec
+from mtpconvert.families import model_spec
 from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
 from rawexport import to_raw
-from mtpconvert.model.slots import NORM, mtp_slots
+from mtpconvert.families.base import NORM
+from mtpconvert.families.qwen3_5 import mtp_slots
 
 VOCAB = 512
 

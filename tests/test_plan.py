@@ -205,7 +205,7 @@ def test_option_errors(raw_checkpoints):
 
 
 def test_unsupported_model_type(tmp_path):
-    from mtpconvert.model.spec import model_spec
+    from mtpconvert.families import model_spec
 
     with pytest.raises(ConfigError, match="qwen3_next"):
         model_spec({"model_type": "qwen3_next"})

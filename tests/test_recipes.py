@@ -18,7 +18,7 @@ from mtpconvert import api
 from mtpconvert.cli import app
 from mtpconvert.errors import OptionsError
 from mtpconvert.plan import build_plan
-from mtpconvert.plan.build import MTP_FILE
+from mtpconvert.io.checkpoint import MTP_FILE
 from mtpconvert.recipes import RELEASES, RUNNERS, VOCAB, list_recipes, load_recipe, runner_labels, workflow_matrix
 from test_layouts import table_checkpoint
 

@@ -13,8 +13,8 @@ from typing import Dict
 
 import mlx.core as mx
 
-from mtpconvert.model.keys import RAW_TEXT, RAW_VLM, source_name
-from mtpconvert.model.slots import LM, is_zero_centred_norm
+from mtpconvert.families.base import RAW_TEXT, RAW_VLM
+from mtpconvert.families.qwen3_5 import LM, is_zero_centred_norm, source_name
 
 SWITCH = re.compile(r"^(?P<mlp>.+\.mlp)\.switch_mlp\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 EXPERT_LAYOUTS = ("per_expert", "fused", "published35")

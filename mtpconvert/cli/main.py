@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from .. import __version__
-from . import check, convert, hub, recipe
+from . import check, convert, families, hub, recipe
 from .errors import report
 from .helpfmt import Group
 
@@ -33,7 +33,7 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
         raise typer.Exit(0)
 
 
-for group in (convert, check, hub, recipe):
+for group in (convert, check, hub, recipe, families):
     group.register(app)
 
 

@@ -19,18 +19,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Set, Union
 
 from .. import __version__
-from ..io.checkpoint import SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
+from ..io.checkpoint import MTP_FILE, SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
 from ..io.output_folder import OutputFolder, describe_os_error
 from ..io.reader import TensorReader
 from ..io.shard_writer import StreamingShardWriter
 from ..plan import Plan, PlanItem
-from ..plan.build import MTP_FILE, MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
+from ..plan.head import MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
 from .blocks import DEFAULT_BLOCK_BYTES, block_ranges, item_blocks
 from .pipeline import compute_streams, quantizer_pool, write_blocks
 from .resume import RESUME_DIR, plan_fingerprint, reusable
 
 if TYPE_CHECKING:  # a download feed (whole shards or byte ranges); execution calls its hooks only
-    from ..hub.stream import RangeStream, ShardStream
+    from ..hub.ranges import RangeStream
+    from ..hub.stream import ShardStream
 
 Progress = Callable[[PlanItem, int], None]
 

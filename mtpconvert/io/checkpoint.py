@@ -16,7 +16,7 @@ from .header import Header, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 # A converted folder keeps its MTP head beside the index, in a file the index does not list
-# (the sidecar layout, plan.build.place_head); config's mlx_lm_extra_tensors.mtp_file may name it.
+# (the sidecar layout, plan.head.place_head); config's mlx_lm_extra_tensors.mtp_file may name it.
 MTP_FILE = "mtp.safetensors"
 
 # Files copied next to the weights (tokenizer, chat template, generation defaults).

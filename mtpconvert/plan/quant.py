@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
-from ..model.slots import FC, MTP, QUANTIZABLE, ROUTER, VISION, Slot
+from ..families.base import FC, MTP, QUANTIZABLE, ROUTER, VISION, Slot
 from ..options import QuantOptions
 
 ROUTER_SPEC_BITS, ROUTER_SPEC_GROUP = 8, 64

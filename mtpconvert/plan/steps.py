@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from ..model.keys import HALVES, Gather  # noqa: F401  (re-exported: the plan's vocabulary)
+from ..families.base import HALVES, Gather  # noqa: F401  (re-exported: the plan's vocabulary)
 from .quant import QuantSpec
 
 

@@ -1,0 +1,40 @@
+"""The model families mtpconvert converts: one module each, one registry by config ``model_type``.
+
+A new family is one module here that builds a ``Family`` (``families/base.py``), added to
+``FAMILIES``; the plan, verify, compat and the runtime find it through ``family_for``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from ..errors import ConfigError
+from .base import Family, config_model_type, text_config
+from .qwen3_5 import FAMILY as QWEN3_5
+
+FAMILIES: Tuple[Family, ...] = (QWEN3_5,)
+
+# model types seen in releases with an MTP head that no family here converts yet
+UNSUPPORTED: Dict[str, str] = {
+    "qwen3_next": "Qwen3-Next uses fused in_proj_qkvz/in_proj_ba projections; only Qwen3.5/3.6 are supported",
+}
+
+
+def family_for(config: dict) -> Family:
+    """The family whose rules apply to this config.json; a ConfigError names the model_type otherwise."""
+    wanted = config_model_type(config)
+    tc = text_config(config)
+    for t in (config.get("model_type"), tc.get("model_type")):
+        if t in UNSUPPORTED:
+            raise ConfigError(f"unsupported model_type {t!r}", file="config.json", hint=UNSUPPORTED[t])
+    for family in FAMILIES:
+        if wanted in family.model_types:
+            return family
+    known = sorted(t for family in FAMILIES for t in family.model_types)
+    raise ConfigError(f"unknown model_type {config.get('model_type')!r}; expected one of {known}",
+                      file="config.json", key="model_type")
+
+
+def model_spec(config: dict):
+    """config.json validated by its family's rules: the numbers the converter needs."""
+    return family_for(config).spec(config)

@@ -1,0 +1,247 @@
+"""What every family module fills in, and the vocabulary the plan speaks for all of them.
+
+A family (``families/<name>.py``) is a ``Family`` value: declarative fields (the config
+``model_type`` values it answers to, the mlx-lm module that loads its backbone, its head's
+design, the runtimes that use that head) and small hooks, each a pure function over the
+config, a key or the checkpoint's headers. The plan, verify, compat and the runtime ask the
+family; none of them branches on a model name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from ..errors import ConfigError, LayoutError
+
+# Key styles: how a folder names its tensors, decided from the keys
+RAW_VLM = "raw-vlm"  # model.language_model.* (a VLM wrapper's release)
+RAW_TEXT = "raw-text"  # model.* (a text-only save_pretrained)
+MLX = "mlx"  # language_model.* (mlx-lm / mlx-vlm output)
+
+# the companions of a quantized weight in an MLX folder
+QUANT_AUX = re.compile(r"\.(scales|biases|global_scale)$")
+
+# Slot kinds: what decides a tensor's transforms
+EMBEDDING = "embedding"  # nn.Embedding (quantizable)
+LINEAR = "linear"  # nn.Linear weight (quantizable)
+SWITCH = "switch"  # stacked experts, SwitchLinear (quantizable)
+ROUTER = "router"  # mlp.gate / shared_expert_gate (quantized at 8 bits like mlx-lm)
+FC = "fc"  # the head's input projection (never quantized)
+NORM = "norm"  # zero-centred RMSNorm in the source: +1 on raw weights
+GATED_NORM = "gated_norm"  # linear-attention RMSNormGated: not shifted
+CONV = "conv"  # depthwise conv1d: [C,1,K] raw -> [C,K,1]
+A_LOG = "a_log"  # stays float32
+PARAM = "param"  # dt_bias and biases: cast only
+
+QUANTIZABLE = (EMBEDDING, LINEAR, SWITCH, ROUTER, FC)
+
+# Slot groups
+BACKBONE = "backbone"
+MTP = "mtp"
+VISION = "vision"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One output tensor before quantization: its MLX name, shape, kind and group."""
+
+    name: str
+    shape: Tuple[int, ...]
+    kind: str
+    group: str
+
+    @property
+    def module(self) -> str:
+        """Module path as mlx-lm's quantization config names it."""
+        return self.name[: -len(".weight")] if self.name.endswith(".weight") else self.name
+
+
+class Gather(str, Enum):
+    """How an item's source tensors become one array, before any step runs.
+
+    The same values say how one source key contributes to its target (``Family.contributions``):
+    a whole tensor, one row of an expert stack, or one half of a fused ``gate_up_proj``.
+    """
+
+    LOAD = "load"  # one source tensor, as it is
+    STACK = "stack"  # one source per expert, stacked along a new leading axis
+    GATE_HALF = "gate_half"  # first half of a fused [E, 2I, H] gate_up_proj along axis 1
+    UP_HALF = "up_half"  # second half of it
+    VISION_PATCH = "vision_patch"  # Conv3d patch embedding, moved to channels-last
+
+    @property
+    def half(self) -> int:
+        """0 or 1 for the halves of a fused gate_up tensor."""
+        return (Gather.GATE_HALF, Gather.UP_HALF).index(self)
+
+
+HALVES = (Gather.GATE_HALF, Gather.UP_HALF)
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """Where one source tensor goes, and how it contributes to ``target``.
+
+    ``part`` is LOAD (the whole tensor), STACK (row ``index`` of an expert stack) or
+    GATE_HALF / UP_HALF (one half of a fused gate_up tensor). ``target`` is None for
+    vision tensors (``vision`` holds the MLX name then).
+    """
+
+    source: str
+    target: Optional[str]
+    part: Gather = Gather.LOAD
+    index: int = 0
+    vision: Optional[str] = None
+
+    @property
+    def expert_layout(self) -> Optional[str]:
+        """per-expert | fused | stacked for an expert weight, None otherwise."""
+        if self.target is None or ".switch_mlp." not in self.target:
+            return None
+        if self.part is Gather.STACK:
+            return "per-expert"
+        if self.part in HALVES or ".experts." in self.source:
+            return "fused"
+        return "stacked"
+
+
+@dataclass(frozen=True)
+class HeadDesign:
+    """How a family's MTP head drafts token t+2 from the backbone's state at t.
+
+    The runtime builds the module named ``forward`` (``runtime.decoding.heads``); the other
+    fields say, for people and for ``mtpconvert families``, what that forward computes.
+    """
+
+    forward: str  # the runtime's head module for this design
+    projection: str  # the Linear over the concatenated inputs
+    concat: Tuple[str, str]  # its two inputs, in order
+    layer: str  # the decoder block after the projection
+    output: str  # how logits are made
+    hidden_state: str  # which backbone state feeds it: post_norm (after the final norm) or pre_norm
+    shares: Tuple[str, ...]  # backbone weights it uses and does not store
+    norms_zero_centred: bool  # its RMSNorms store w with y = x * (1 + w) in the raw release
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's rules: declarative fields, then the hooks the pipeline calls."""
+
+    name: str
+    title: str  # the releases it covers, for people
+    model_types: Mapping[str, str]  # config model_type -> the mlx-lm module that loads the backbone
+    head: HeadDesign
+    backbone_runtimes: Tuple[str, ...]  # compat.RUNTIMES that load the backbone
+    head_runtimes: Tuple[str, ...]  # compat.RUNTIMES that run the head
+    mtp_layouts: Tuple[str, ...]  # options.MTP_LAYOUTS this family writes
+    head_prefix: str  # canonical MLX prefix of the head's tensors
+    lm_head: str  # canonical MLX name of the output projection (absent when tied)
+    # hooks
+    spec: Callable[[dict], object]  # config.json -> the family's ModelSpec (validated)
+    expected_slots: Callable[[object, int], Dict[str, Slot]]  # (spec, MTP layers) -> every output slot
+    contributions: Callable[[str], List[Mapped]]  # source key -> where it goes
+    key_style: Callable[[str], str]  # RAW_VLM | RAW_TEXT | MLX | "" (shared by the raw styles)
+    source_name: Callable[[str, str], str]  # (MLX name, style) -> the key such a source would use
+    is_zero_centred_norm: Callable[[str], bool]  # MLX name -> whether +1 applies to it on raw weights
+    norms_zero_centred: Callable[[Mapping], bool]  # headers -> raw layout? (decided once per checkpoint)
+
+    def style_of(self, keys: Iterable[str]) -> str:
+        """The one key style of a folder; a folder that mixes styles was partly converted."""
+        styles = {self.key_style(k) for k in keys} - {""}
+        if len(styles) > 1:
+            raise LayoutError(
+                f"checkpoint mixes key namespaces ({', '.join(sorted(styles))}); "
+                "expected either raw Hugging Face or MLX names"
+            )
+        return styles.pop() if styles else RAW_VLM
+
+    def is_head(self, mlx_name: str) -> bool:
+        return mlx_name.startswith(self.head_prefix)
+
+    def head_layers(self, targets: Iterable[str]) -> Tuple[int, bool]:
+        """(number of head decoder layers, whether any head tensor exists) among MLX names."""
+        layers = self.head_prefix + "layers."
+        idx = set()
+        any_head = False
+        for t in targets:
+            if t.startswith(self.head_prefix):
+                any_head = True
+                if t.startswith(layers):
+                    number = t[len(layers):].split(".", 1)[0]
+                    if number.isdigit():
+                        idx.add(int(number))
+        return (max(idx) + 1 if idx else 0), any_head
+
+    def describe(self) -> dict:
+        """What ``mtpconvert families --json`` prints for this family."""
+        return {
+            "family": self.name,
+            "title": self.title,
+            "model_types": sorted(self.model_types),
+            "mlx_lm_modules": sorted(set(self.model_types.values())),
+            "head": {
+                "forward": self.head.forward,
+                "projection": self.head.projection,
+                "concat": list(self.head.concat),
+                "layer": self.head.layer,
+                "output": self.head.output,
+                "hidden_state": self.head.hidden_state,
+                "shares": list(self.head.shares),
+                "norms_zero_centred": self.head.norms_zero_centred,
+            },
+            "backbone_runtimes": list(self.backbone_runtimes),
+            "head_runtimes": list(self.head_runtimes),
+            "mtp_layouts": list(self.mtp_layouts),
+        }
+
+
+# config.json readers every family's spec hook uses
+
+
+def text_config(config: dict) -> dict:
+    """The text model's config: ``text_config`` of a VLM wrapper, else the config itself."""
+    tc = config.get("text_config")
+    if tc is None:
+        return config
+    if not isinstance(tc, dict):
+        raise ConfigError("text_config must be an object", file="config.json")
+    return tc
+
+
+def config_bool(tc: dict, key: str, default: bool = False) -> bool:
+    value = tc.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}", file="config.json", key=key)
+    return value
+
+
+def config_int(tc: dict, key: str, default: Optional[int] = None, *, minimum: int = 0) -> int:
+    value = tc.get(key, default)
+    if value is None:
+        raise ConfigError(f"config is missing {key}", file="config.json", key=key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}", file="config.json", key=key)
+    return value
+
+
+def config_model_type(config: dict) -> Optional[str]:
+    """The model_type that decides the family: the top level's (mlx-lm picks its module from it),
+    else text_config's. Both are validated as strings."""
+    if not isinstance(config, dict):
+        raise ConfigError("config must be a JSON object", file="config.json")
+    top = config.get("model_type")
+    text = text_config(config).get("model_type", top)
+    for where, t in (("model_type", top), ("text_config.model_type", text)):
+        if t is not None and not isinstance(t, str):
+            raise ConfigError(f"{where} must be a string, not {t!r}", file="config.json", key=where)
+    return top if top is not None else text
+
+
+def resolve_tie(config: dict) -> bool:
+    """text_config wins; published 9B/27B configs carry the key at the top level only."""
+    tc = text_config(config)
+    where = tc if "tie_word_embeddings" in tc else config
+    return config_bool(where, "tie_word_embeddings")
