@@ -3,7 +3,7 @@
 The recipes ship inside the package (``mtpconvert/data/recipes``, ``recipes/`` in a checkout
 links there), so ``recipe list`` and ``recipe run NAME`` work from a plain ``pip install``.
 
-A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6
+A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6/3.8
 repository, options that QuantOptions/ConvertOptions accept, and the runner size it needs
 (``runner``: a key of ``RUNNERS``; the publish workflow runs each recipe on that size).
 
@@ -32,7 +32,7 @@ from .errors import OptionsError
 from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 
 BUNDLED = Path(__file__).parent / "data" / "recipes"
-REPO = re.compile(r"^Qwen/Qwen3\.[56]-[0-9A-Za-z.-]+$")
+REPO = re.compile(r"^Qwen/Qwen3\.[568]-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
         "runner", "max_shard_gb", "prefetch_shards", "raw_window_gb"}
 
@@ -87,6 +87,9 @@ RELEASES: Dict[str, Release] = {
     # stacked routed experts projection (experts x moe_intermediate x hidden) in 122B-A10B and 397B-A17B
     "Qwen3.5-27B": Release(11, 5120, 0.85, 0.38, 1.27),
     "Qwen3.6-27B": Release(15, 5120, 0.85, 0.38, 1.27),
+    # Qwen3.8-27B: the Qwen3.6-27B architecture (model_type qwen3_5, all BF16) in 18 shards; lm_head and the
+    # 15 mtp.* are in the last one
+    "Qwen3.8-27B": Release(18, 5120, 0.85, 0.38, 1.27),
     "Qwen3.5-35B-A3B": Release(14, 2048, 1.69, 0.84, 0.51, moe=True),
     "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 0.84, 0.51, moe=True),
     "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 2.51, 0.81, moe=True),
@@ -265,7 +268,8 @@ def load_recipe(path: Path) -> Recipe:
     if unknown:
         raise OptionsError(f"unknown recipe key {unknown[0]!r}", file=path, key=unknown[0])
     if not isinstance(data.get("repo"), str) or not REPO.match(data["repo"]):
-        raise OptionsError("repo must name a Qwen/Qwen3.5-* or Qwen/Qwen3.6-* repository", file=path, key="repo")
+        raise OptionsError("repo must name a Qwen/Qwen3.5-*, Qwen/Qwen3.6-* or Qwen/Qwen3.8-* repository", file=path,
+                           key="repo")
     types = {"revision": str, "bits": int, "group_size": int, "mtp_bits": int, "mtp": str, "q_mode": str,
              "upload_repo": str, "keep_vision": bool, "dtype": str, "runner": str}
     for key, want in types.items():

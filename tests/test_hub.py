@@ -776,3 +776,138 @@ def test_published_qwen36_27b_vision_shard_is_skipped():
     assert vision_only not in needed
     assert set(weight_map.values()) - set(needed) == {vision_only}
     assert vision_only in needed_files(siblings, index, keep_vision=True, keep_mtp=True)
+
+
+# ------------------------------------------------------------ Qwen3.8-27B's layout (issue #27): add-mtp from the Hub
+
+QWEN38_TINY = "Qwen/Qwen3.8-Tiny"
+
+
+def qwen38_release(src: Path, dst: Path) -> Path:
+    """``src`` (a bf16 VLM raw checkpoint) rewritten as Qwen/Qwen3.8-27B publishes itself: every tensor BF16
+    (A_log and linear_attn.norm too), shards ``model-0000N-of-00005.safetensors`` with the vision tower and the
+    first layer in shard 1, ``embed_tokens`` alone in shard 3, and ``lm_head.weight`` with every ``mtp.*`` in the
+    last shard."""
+    import mlx.core as mx
+
+    from mtpconvert.io.reader import read_all
+    from mtpconvert.io.shard_writer import write_all
+
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name != "model.safetensors.index.json":
+            shutil.copy(p, dst / p.name)
+    tensors = {}
+    for p in sorted(src.glob("*.safetensors")):
+        tensors.update({k: v.astype(mx.bfloat16) for k, v in read_all(p).items()})
+
+    def layer(key: str):
+        return int(key.split(".layers.")[1].split(".")[0]) if ".language_model.layers." in key else None
+
+    groups = [
+        lambda k: k.startswith("model.visual.") or layer(k) == 0,
+        lambda k: layer(k) == 1,
+        lambda k: k == "model.language_model.embed_tokens.weight",
+        lambda k: (layer(k) or 0) >= 2 or k == "model.language_model.norm.weight",
+        lambda k: k == "lm_head.weight" or k.startswith("mtp."),
+    ]
+    weight_map = {}
+    for i, member in enumerate(groups, 1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        chunk = {k: tensors[k] for k in sorted(tensors) if member(k) and k not in weight_map}
+        write_all(dst / name, chunk, {"format": "pt"})
+        weight_map.update({k: name for k in chunk})
+    assert set(weight_map) == set(tensors)
+    total = sum(v.nbytes for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return dst
+
+
+def fetched_ranges(hub, repo: str, shard: str) -> list:
+    """The merged [start, end) byte ranges of ``shard`` asked for by GET; a GET without a Range is the whole file."""
+    size = len(hub.repos[repo].files[shard])
+    spans = []
+    for r in hub.log:
+        if r.method == "GET" and r.path.endswith(f"/{shard}") and "/resolve/" in r.path:
+            if not r.range:
+                spans.append((0, size))
+                continue
+            a, b = r.range.removeprefix("bytes=").split("-")
+            spans.append((int(a), int(b) + 1 if b else size))
+    return merged(spans)
+
+
+def merged(spans) -> list:
+    """[start, end) spans, sorted, with those that touch or overlap joined."""
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def tensor_bytes(path: Path) -> dict:
+    """Each tensor's dtype, shape and stored bytes, by key."""
+    from mtpconvert.io.header import read_header
+
+    data = path.read_bytes()
+    return {k: (t.dtype, tuple(t.shape), data[t.start:t.end]) for k, t in read_header(path).tensors.items()}
+
+
+def test_add_mtp_grafts_qwen38_27b_head_from_its_last_shard_by_byte_range(hub, tmp_path):
+    """Qwen3.8-27B's head, as add-mtp meets it: no mlx-community conversion keeps a single mtp.* tensor
+    (their 4bit folder is --bits 4 --keep-vision --mtp drop: tests/test_layouts.py), and the release puts
+    lm_head and all 15 mtp.* in its last shard. add-mtp reads each shard's header and the mtp.* ranges only
+    (not lm_head beside them, not whole shards), writes the same 15 sidecar tensors a direct conversion writes,
+    leaves the backbone's shards as they were, and the folder verifies with a complete head."""
+    from checkpoints import build, tree_digest
+
+    from mtpconvert.io.checkpoint import MTP_FILE
+    from mtpconvert.io.header import read_header
+    from mtpconvert.verify import verify
+
+    built = build(tmp_path / "built", dtype="bfloat16", shards=3, shard_style="hf", seed=38)
+    src = qwen38_release(built.path, tmp_path / "release")
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    last = "model-00005-of-00005.safetensors"
+    mtp_keys = {k for k in weight_map if k.startswith("mtp.")}
+    assert len(mtp_keys) == 15 and {k for k, s in weight_map.items() if s == last} == mtp_keys | {"lm_head.weight"}
+    assert {t.dtype for s in set(weight_map.values()) for t in read_header(src / s).tensors.values()} == {"BF16"}
+    hub.add_folder(QWEN38_TINY, src)
+
+    options = ["--bits", "4", "--group-size", "64", "--keep-vision", "--no-smoke"]
+    folder, direct = tmp_path / "mlx-community-4bit", tmp_path / "direct"
+    made = runner.invoke(app, ["convert", str(src), str(folder), *options, "--mtp", "drop"])
+    assert made.exit_code == 0, made.output
+    before = verify(folder)
+    assert before.ok and before.mtp_layers_config == 0 and before.mtp_layers_found == 0
+    assert not (folder / MTP_FILE).exists()
+    shards_before = {n: d for n, d in tree_digest(folder).items() if n.endswith(".safetensors")}
+    assert any(n.startswith("model-") for n in shards_before)
+
+    result = runner.invoke(app, ["add-mtp", QWEN38_TINY, str(folder), "--min-acceptance", "0",
+                                 "--min-mlp-gain", "-1"])
+    assert result.exit_code == 0, result.output
+    assert "identical to plain greedy" in result.output
+
+    report = verify(folder)
+    assert report.ok and report.mtp_complete and report.mtp_layers_config == report.mtp_layers_found == 1
+    # the head equals the one `convert` writes from the same source with the same options
+    made = runner.invoke(app, ["convert", str(src), str(direct), *options])
+    assert made.exit_code == 0, made.output
+    grafted = tensor_bytes(folder / MTP_FILE)
+    assert set(grafted) == mtp_keys and grafted == tensor_bytes(direct / MTP_FILE)
+    # the backbone's shards are the bytes they were; the sidecar is the only new file
+    after = tree_digest(folder)
+    assert {n: d for n, d in after.items() if n in shards_before} == shards_before
+    assert {n for n in after if n.endswith(".safetensors")} == set(shards_before) | {MTP_FILE}
+    # from the Hub: each shard's header, and in the last shard the 15 mtp.* ranges (lm_head beside them is not read)
+    for shard in sorted(set(weight_map.values())):
+        header = read_header(src / shard)
+        want = [(0, header.data_start)] + [(t.start, t.end) for k, t in header.tensors.items() if k.startswith("mtp.")]
+        assert fetched_ranges(hub, QWEN38_TINY, shard) == merged(want), shard
+    lm_head = read_header(src / last).tensors["lm_head.weight"]
+    assert not any(a < lm_head.end and lm_head.start < b for a, b in fetched_ranges(hub, QWEN38_TINY, last))

@@ -31,7 +31,7 @@ def test_every_recipe_is_valid():
     assert len(recipes) >= 18
     names = {r.repo for r in recipes}
     for model in ("Qwen3.5-27B", "Qwen3.5-35B-A3B", "Qwen3.5-122B-A10B", "Qwen3.5-397B-A17B", "Qwen3.6-27B",
-                  "Qwen3.6-35B-A3B"):
+                  "Qwen3.6-35B-A3B", "Qwen3.8-27B"):
         assert f"Qwen/{model}" in names
         bits = {r.bits for r in recipes if r.repo == f"Qwen/{model}"}
         assert bits == {4, 6, 8}
@@ -47,6 +47,7 @@ def test_every_recipe_is_valid():
 
 @pytest.mark.parametrize("body, key", [
     ('repo = "meta/llama"\n', "repo"),
+    ('repo = "Qwen/Qwen3.7-27B"\n', "repo"),  # no such release: 3.5, 3.6 and 3.8 only
     ('repo = "Qwen/Qwen3.5-27B"\nbits = 5\ngroup_size = 64\nq_mode = "mxfp4"\n', None),
     ('repo = "Qwen/Qwen3.5-27B"\nbits = "4"\n', "bits"),
     ('repo = "Qwen/Qwen3.5-27B"\ncolour = "red"\n', "colour"),
