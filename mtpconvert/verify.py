@@ -22,6 +22,7 @@ from .io.header import mlx_dtype_name
 from .io.reader import TensorReader
 from .families import family_for
 from .families.base import CONV, FC, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot, text_config
+from .plan import fp8
 from .plan.head import SIDECAR_PREFIX
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -96,6 +97,7 @@ def verify(path: Path, deep: bool = False) -> Report:
     except ConvertError as e:
         report.add("layout", ERROR, e.detail, e.key, e.file)
         return report
+    _check_sources(ckpt, report)
     _check_tensors(ckpt, family, spec, raw, report)
     _check_norms(ckpt, family, raw, report)
     _check_config(ckpt, spec, report)
@@ -136,6 +138,16 @@ def _check_finite(ckpt: Checkpoint, report: Report) -> None:
         reader.close()
 
 
+def _check_sources(ckpt: Checkpoint, report: Report) -> None:
+    """Quantized source formats: every block-FP8 weight with a well-formed scale; FP4 formats named."""
+    refused = {fp8.refused_format(key): key for key in ckpt.tensors if fp8.refused_format(key)}
+    for name, key in refused.items():
+        report.add("format-unsupported", ERROR, f"{name} checkpoint: mtpconvert does not convert its quantized "
+                   "weights (convert the BF16 or block-FP8 release)", key, ckpt.tensors[key].file)
+    for problem in fp8.scale_problems(ckpt.tensors, {k: info.file for k, info in ckpt.tensors.items()}):
+        report.add("fp8-scale", ERROR, problem.detail, problem.key, problem.file)
+
+
 def canonical_module(module: str, family: Family) -> str:
     """A stored module path under its canonical MLX name: the sidecar's ``mtp.X`` is the family's
     head prefix + ``X`` (``language_model.mtp.X``)."""
@@ -163,6 +175,8 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
         if m := QUANT_AUX.search(key):
             aux[canonical_module(key[: m.start()], family)][m.group(1)] = key
             continue
+        if fp8.is_scale(key) or fp8.refused_format(key):
+            continue  # checked with their weights (_check_sources)
         try:
             mapped = family.contributions(key)
         except LayoutError as e:
@@ -221,7 +235,7 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
 
     dtypes: Dict[str, Counter] = defaultdict(Counter)
     for key, info in ckpt.tensors.items():
-        if QUANT_AUX.search(key):
+        if QUANT_AUX.search(key) or fp8.is_scale(key):
             continue
         group = "vision" if "visual" in key or key.startswith("vision_tower") else (
             MTP if key.startswith((SIDECAR_PREFIX, family.head_prefix)) else "backbone")

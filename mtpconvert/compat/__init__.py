@@ -24,12 +24,13 @@ and the facts the contracts ask of it), :mod:`.head` (the head as a runtime read
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
 from . import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
-from .folder import (DRAFTER_TYPE, MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, layout_of, planned_folder, read_folder,
-                     read_header)
+from .folder import (DRAFTER_TYPE, MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, fp8_files, layout_of, planned_folder,
+                     read_folder, read_header)
 from .head import Head
 from .report import PRECISION, CompatReport, RuntimeCompat, Verdict, precision_warnings, render, why
 
@@ -56,9 +57,19 @@ RUNTIMES = tuple(CONTRACTS)
 
 
 def compat(folder: Folder) -> CompatReport:
-    """Per-runtime compatibility of a folder, from its config and headers only."""
+    """Per-runtime compatibility of a folder, from its config and headers only.
+
+    A block-FP8 release is a source to convert: no runtime here was run on one, so each row says
+    so (``verified`` False) instead of applying rules measured on MLX folders to its file names."""
     layout = layout_of(folder)
-    return CompatReport(folder=folder.path, layout=layout, runtimes=[CONTRACTS[r](folder, layout) for r in RUNTIMES])
+    rows = [CONTRACTS[r](folder, layout) for r in RUNTIMES]
+    if files := fp8_files(folder):
+        source = Verdict(False, f"block-FP8 source (F8_E4M3 weights with weight_scale_inv in {files[0]}"
+                                f"{f' and {len(files) - 1} more' if len(files) > 1 else ''}): convert it first "
+                                "(mtpconvert convert dequantizes it); not run in this runtime as it is")
+        rows = [dataclasses.replace(row, backbone_exact=source, head_usable=source, verified=False) for row in rows]
+        layout = "fp8-source"
+    return CompatReport(folder=folder.path, layout=layout, runtimes=rows)
 
 
 def check_folder(path: Path) -> CompatReport:

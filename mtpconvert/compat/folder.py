@@ -159,6 +159,13 @@ def _keys_with(folder: Folder, files: List[str], pred: Callable[[str], bool]) ->
     return [(f, k) for f in files for k in _tensors(folder.headers[f]) if pred(k)]
 
 
+def fp8_files(folder: Folder) -> List[str]:
+    """The files holding block-FP8 weights (F8_E4M3 beside a ``weight_scale_inv``): a release to convert,
+    whatever the files are named (a raw FP8 release has its own root ``mtp.safetensors``)."""
+    return [f for f, header in folder.headers.items()
+            if any(v.get("dtype") == "F8_E4M3" for v in _tensors(header).values())]
+
+
 def _conv_raw(folder: Folder, files: List[str]) -> bool:
     """A raw (PyTorch-layout) checkpoint: some ``conv1d.weight`` is ``[C, 1, K]`` with K > 1."""
     for f in files:

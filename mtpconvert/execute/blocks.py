@@ -18,14 +18,17 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..errors import LayoutError
 from ..io.checkpoint import Checkpoint
-from ..io.header import DTYPES, leading_rows
+from ..io.header import DTYPES, TensorInfo, leading_rows
 from ..io.reader import TensorReader
 from ..io.shard_writer import BF16Bits
-from ..plan import PlanItem
+from ..plan import PlanItem, SourceRef
+from ..plan.fp8 import BLOCK as FP8_BLOCK
+from ..plan.fp8 import scale_rows
 from ..plan.steps import HALVES, Cast, Gather, Quantize, SplitGateUp, StackExperts
 from . import npquant
-from .ops import apply_steps, gather
+from .ops import apply_steps, dequant_fp8, gather
 
 # measured: 8 MiB pays per-block overhead, 32+ MiB pays page faults (glibc mmaps big blocks);
 # MTPCONVERT_BLOCK_MB overrides it (benchmarks); the bytes written do not depend on it
@@ -54,19 +57,46 @@ def rows(item: PlanItem) -> int:
     return leading_rows(item.slot.shape)
 
 
+def is_fp8(item: PlanItem) -> bool:
+    return item.sources[0].scale is not None
+
+
 def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Block]:
-    """Split an item into blocks whose source bytes stay under ``max_bytes`` (at least one row each)."""
+    """Split an item into blocks whose source bytes stay under ``max_bytes`` (at least one row each).
+    A block-FP8 matrix is split on its 128-row scale blocks, so each block reads whole scale rows."""
     n = rows(item)
     if n == 0:
         return [Block(item, 0, 0)]
     per_row = max(1, item.in_bytes // n)
     step = max(1, max_bytes // per_row)
+    if is_fp8(item) and len(item.sources[0].shape) == 2:
+        step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)
     return [Block(item, a, min(a + step, n)) for a in range(0, n, step)]
 
 
+def read_fp8(source: SourceRef, ckpt: Checkpoint, reader: TensorReader, start: int, stop: int,
+             part: Optional[Tuple[int, int]] = None) -> mx.array:
+    """Rows ``start:stop`` of a block-FP8 source, dequantized with the scale rows they need (float32)."""
+    info, scale_info = ckpt.tensors[source.key], ckpt.tensors[source.scale.key]
+    first, last = scale_rows(info.shape, start, stop)
+    scale = reader.read_rows(scale_info, first, last, part=part)
+    if not mx.all(mx.isfinite(scale)).item():
+        raise LayoutError("FP8 scale holds NaN or Inf", file=scale_info.file, key=scale_info.key)
+    codes = reader.read_rows(info, start, stop, part=part)
+    return dequant_fp8(codes, scale, FP8_BLOCK, start - first * FP8_BLOCK if len(info.shape) == 2 else 0)
+
+
 def read_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> mx.array:
-    """The gathered source rows of one block: stacked experts, one half of a fused gate_up, ..."""
+    """The gathered source rows of one block: stacked experts, one half of a fused gate_up, ...;
+    block-FP8 sources dequantized as they are read."""
     item, a, b = block.item, block.start, block.stop
+    if is_fp8(item):
+        if item.gather is Gather.STACK:
+            return gather([read_fp8(s, ckpt, reader, 0, leading_rows(s.shape)) for s in item.sources[a:b]],
+                          Gather.STACK)
+        part = (item.gather.half, 2) if item.gather in HALVES else None
+        read = read_fp8(item.sources[0], ckpt, reader, a, b, part)
+        return read if part else gather([read], item.gather)
     if item.gather is Gather.STACK:
         return gather([reader.read(ckpt.tensors[s.key]) for s in item.sources[a:b]], Gather.STACK)
     info = ckpt.tensors[item.sources[0].key]
@@ -109,12 +139,26 @@ def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[i
     item, a, b = block.item, block.start, block.stop
     if item.gather is Gather.STACK:  # one whole expert per output row
         return [(str(info.file), info.start, info.shape) for info in (ckpt.tensors[s.key] for s in item.sources[a:b])]
-    info = ckpt.tensors[item.sources[0].key]
+    return _rows_runs(ckpt.tensors[item.sources[0].key], item.gather, a, b)
+
+
+def _scale_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[int, ...]]]:
+    """The runs of the FP8 scale rows a block reads (``read_fp8``), like ``_source_runs``."""
+    item, a, b = block.item, block.start, block.stop
+    if item.gather is Gather.STACK:
+        return [(str(info.file), info.start, info.shape)
+                for info in (ckpt.tensors[s.scale.key] for s in item.sources[a:b])]
+    source = item.sources[0]
+    return _rows_runs(ckpt.tensors[source.scale.key], item.gather, *scale_rows(source.shape, a, b))
+
+
+def _rows_runs(info: TensorInfo, how: Gather, a: int, b: int) -> List[Tuple[str, int, Tuple[int, ...]]]:
+    """The runs of rows ``a:b`` of one tensor: one run, or one per expert for a half of a fused gate_up."""
     row_bytes = info.nbytes // leading_rows(info.shape)
-    if item.gather in HALVES:  # [E, 2I, H] -> the gate or up half of each expert
+    if how in HALVES:  # [E, 2I, H] -> the gate or up half of each expert
         half_shape = (info.shape[1] // 2, *info.shape[2:])
         half_bytes = row_bytes // 2
-        skip = item.gather.half * half_bytes
+        skip = how.half * half_bytes
         return [(str(info.file), info.start + e * row_bytes + skip, half_shape) for e in range(a, b)]
     return [(str(info.file), info.start + a * row_bytes, (b - a, *info.shape[1:]))]
 
@@ -131,6 +175,9 @@ def block_ranges(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, int]]:
         itemsizes = itertools.repeat(DTYPES[ckpt.tensors[item.sources[0].key].dtype][2])
     ranges = [(file, offset, offset + math.prod(shape) * size)
               for (file, offset, shape), size in zip(_source_runs(block, ckpt), itemsizes)]
+    if is_fp8(item):
+        size = DTYPES[item.sources[0].scale.dtype][2]
+        ranges += [(file, offset, offset + math.prod(shape) * size) for file, offset, shape in _scale_runs(block, ckpt)]
     return [r for r in ranges if r[2] > r[1]]
 
 
@@ -178,7 +225,7 @@ def direct_read(block: Block, ckpt: Checkpoint) -> Optional[DirectRead]:
     """How to read ``block``'s gathered source in plain reads, or None where the gather needs
     a copy (vision patch), the block is empty or a scalar, or the sources differ in dtype."""
     item, a, b = block.item, block.start, block.stop
-    if item.gather not in NUMPY_GATHERS or b <= a or len({s.dtype for s in item.sources}) != 1:
+    if item.gather not in NUMPY_GATHERS or b <= a or len({s.dtype for s in item.sources}) != 1 or is_fp8(item):
         return None
     infos = ([ckpt.tensors[s.key] for s in item.sources[a:b]] if item.gather is Gather.STACK
              else [ckpt.tensors[item.sources[0].key]])

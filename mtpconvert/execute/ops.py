@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import functools
 from typing import List, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..plan.quant import QuantSpec
 from ..plan.steps import GATHER_STEPS, Cast, ConvAxis, Gather, Quantize, ShiftNorm, Step
+
+
+@functools.lru_cache(maxsize=1)
+def e4m3_values() -> mx.array:
+    """The float32 value of each of the 256 float8_e4m3fn codes (no infinities; 0x7f/0xff are NaN)."""
+    codes = np.arange(256, dtype=np.uint32)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, (codes & 0x7).astype(np.float64)
+    normal = (1 + mantissa / 8) * np.exp2(exponent.astype(np.float64) - 7)
+    subnormal = (mantissa / 8) * 2.0 ** -6
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return mx.array(values.astype(np.float32))
+
+
+def dequant_fp8(codes: mx.array, scale: mx.array, block: int, row_offset: int = 0) -> mx.array:
+    """Block-FP8 -> float32: ``W[i, j] = e4m3(codes[i, j]) * scale[i // block, j // block]`` over the
+    last two axes (leading axes, experts, are matched one to one). ``codes`` may start ``row_offset``
+    rows into the first scale row. Exact: an e4m3 value times a bf16/f16/f32 scale fits float32."""
+    rows, cols = codes.shape[-2:]
+    grid = mx.repeat(mx.repeat(scale.astype(mx.float32), block, axis=-2), block, axis=-1)
+    grid = grid[..., row_offset:row_offset + rows, :cols]
+    return mx.take(e4m3_values(), codes.astype(mx.uint32)) * grid
 
 
 def stack_experts(experts: Sequence[mx.array]) -> mx.array:

@@ -19,10 +19,11 @@ from ..families.base import (A_LOG, CONV, MLX, MTP, NORM, QUANT_AUX, RAW_VLM, SW
                              Slot, text_config)
 from ..io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint
 from ..options import FLOAT_DTYPES, MTP_LAYOUTS, ConvertOptions
+from . import fp8
 from .head import place_head, sidecar_slot
 from .items import Plan, PlanItem, SourceRef
 from .quant import QuantSpec, decide, quantization_block
-from .steps import Cast, ConvAxis, Quantize, ShiftNorm, Step, gather_step
+from .steps import Cast, ConvAxis, DequantFP8, Quantize, ShiftNorm, Step, gather_step
 
 
 def default_dtype(ckpt: Checkpoint) -> str:
@@ -35,8 +36,10 @@ def default_dtype(ckpt: Checkpoint) -> str:
 
 
 def _ref(ckpt: Checkpoint, key: str) -> SourceRef:
+    """A source tensor; an F8_E4M3 one with its block scales (paired and checked by ``fp8.pair_scales``)."""
     t = ckpt.tensors[key]
-    return SourceRef(key, t.file.name, t.shape, t.dtype)
+    scale = _ref(ckpt, fp8.scale_key(key)) if t.dtype == fp8.FP8 else None
+    return SourceRef(key, t.file.name, t.shape, t.dtype, scale)
 
 
 def _shape_error(ckpt: Checkpoint, key: str, expected, got) -> LayoutError:
@@ -60,6 +63,8 @@ def _map_all(ckpt: Checkpoint, family: Family) -> List[Mapped]:
     same reason as one that shares a shard with kept tensors."""
     mapped = []
     for key, file in _source_files(ckpt).items():
+        if fp8.is_scale(key):
+            continue  # read with its weight
         if QUANT_AUX.search(key):
             raise LayoutError(
                 "checkpoint is already quantized; convert needs unquantized weights",
@@ -107,6 +112,9 @@ def _gather_switch(ckpt, slot: Slot, contribs: List[Mapped], spec):
         want = (slot.shape[0], 2 * slot.shape[1], slot.shape[2])
         if shape != want:
             raise _shape_error(ckpt, c.source, want, shape)
+        if ckpt.tensors[c.source].dtype == fp8.FP8 and slot.shape[1] % fp8.BLOCK:
+            raise LayoutError(f"fused FP8 gate_up_proj whose halves ({slot.shape[1]} rows) do not fall on the "
+                              f"{fp8.BLOCK}-row scale grid", file=ckpt.tensors[c.source].file, key=c.source)
         return (_ref(ckpt, c.source),), c.part
     by_index: Dict[int, Mapped] = {}
     for c in per_expert:
@@ -142,7 +150,11 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         raise OptionsError(f"--mtp-layout must be one of {MTP_LAYOUTS}, got {opts.mtp_layout!r}")
     if opts.max_shard_bytes <= 0:
         raise OptionsError(f"--max-shard-size must be > 0 GB, got {opts.max_shard_bytes / (1 << 30):g}")
-    style = family.style_of(_source_files(ckpt))
+    files = _source_files(ckpt)
+    for key, file in files.items():
+        fp8.refuse(key, file)
+    fp8.pair_scales(ckpt.tensors, files)
+    style = family.style_of(files)
     raw = family.norms_zero_centred(ckpt.tensors)
 
     contribs: Dict[str, List[Mapped]] = defaultdict(list)
@@ -265,11 +277,11 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
             raise _shape_error(ckpt, key, want, shape)
         sources, gather = (_ref(ckpt, key),), Gather.LOAD
     for s in sources:
-        if s.dtype not in ("F32", "F16", "BF16", "F64"):
+        if s.dtype not in ("F32", "F16", "BF16", "F64") and s.scale is None:
             raise LayoutError(f"expected a floating-point tensor, found {s.dtype}",
                               file=ckpt.tensors[s.key].file, key=s.key)
     q = decide(slot, quant)
-    return PlanItem(slot, sources, gather, _steps(slot, gather, raw, dtype, q), _out_dtype(slot, dtype), q)
+    return PlanItem(slot, sources, gather, _steps(slot, sources, gather, raw, dtype, q), _out_dtype(slot, dtype), q)
 
 
 def _vision_items(ckpt: Checkpoint, vision: List[Mapped], keep: bool, raw: bool, dtype: str,
@@ -288,7 +300,8 @@ def _vision_items(ckpt: Checkpoint, vision: List[Mapped], keep: bool, raw: bool,
         gather = Gather.VISION_PATCH if patch else Gather.LOAD
         shape = (t.shape[0], *t.shape[2:], t.shape[1]) if patch else t.shape
         slot = Slot(m.vision, tuple(shape), "vision", VISION)
-        items.append(PlanItem(slot, (_ref(ckpt, m.source),), gather, _steps(slot, gather, raw, dtype, None), dtype, None))
+        sources = (_ref(ckpt, m.source),)
+        items.append(PlanItem(slot, sources, gather, _steps(slot, sources, gather, raw, dtype, None), dtype, None))
     return items
 
 
@@ -296,8 +309,11 @@ def _out_dtype(slot: Slot, dtype: str) -> str:
     return "float32" if slot.kind == A_LOG else dtype
 
 
-def _steps(slot: Slot, gather: Gather, raw: bool, dtype: str, q: Optional[QuantSpec]) -> Tuple[Step, ...]:
+def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool, dtype: str,
+           q: Optional[QuantSpec]) -> Tuple[Step, ...]:
     steps: List[Step] = []
+    if any(s.scale is not None for s in sources):
+        steps.append(DequantFP8(fp8.BLOCK))
     if (recorded := gather_step(gather)) is not None:
         steps.append(recorded)
     if slot.kind == CONV and raw:

@@ -22,7 +22,13 @@ class SourceRef:
     key: str
     file: str
     shape: Tuple[int, ...]
-    dtype: str  # safetensors dtype (BF16, F32, ...)
+    dtype: str  # safetensors dtype (BF16, F32, F8_E4M3, ...)
+    scale: Optional["SourceRef"] = None  # the block scales of an F8_E4M3 source (plan.fp8)
+
+    @property
+    def nbytes(self) -> int:
+        own = math.prod(self.shape) * dtype_itemsize(self.dtype)
+        return own + (self.scale.nbytes if self.scale is not None else 0)
 
 
 @dataclass
@@ -62,7 +68,7 @@ class PlanItem:
 
     @property
     def in_bytes(self) -> int:
-        return sum(math.prod(s.shape) * dtype_itemsize(s.dtype) for s in self.sources)
+        return sum(s.nbytes for s in self.sources)
 
 
 @dataclass
@@ -117,6 +123,7 @@ class Plan:
                     "group": it.slot.group,
                     "kind": it.slot.kind,
                     "sources": [s.key for s in it.sources],
+                    **({"scales": [s.scale.key for s in it.sources]} if it.sources[0].scale else {}),
                     "source_files": sorted({s.file for s in it.sources}),
                     "steps": [s.label for s in it.steps],
                     "shape": list(it.slot.shape),

@@ -14,6 +14,16 @@ from ..families.base import HALVES, Gather  # noqa: F401  (re-exported: the plan
 from .quant import QuantSpec
 
 
+@dataclass(frozen=True)
+class DequantFP8:
+    """Block-FP8 sources to float32: e4m3 codes times their ``block`` x ``block`` scale; done as each
+    source is read (every expert with its own scale), before the gather."""
+
+    block: int
+
+    @property
+    def label(self) -> str:
+        return f"dequant:fp8e4m3/{self.block}"
 
 
 @dataclass(frozen=True)
@@ -82,9 +92,9 @@ class Quantize:
         return f"quantize:{q.bits}b/g{q.group_size}/{q.mode}"
 
 
-Step = Union[StackExperts, SplitGateUp, PatchChannelsLast, ConvAxis, ShiftNorm, Cast, Quantize]
-# steps the gather has already done when the chain runs
-GATHER_STEPS = (StackExperts, SplitGateUp, PatchChannelsLast)
+Step = Union[DequantFP8, StackExperts, SplitGateUp, PatchChannelsLast, ConvAxis, ShiftNorm, Cast, Quantize]
+# steps the read and the gather have already done when the chain runs
+GATHER_STEPS = (DequantFP8, StackExperts, SplitGateUp, PatchChannelsLast)
 
 
 def gather_step(gather: Gather):
