@@ -328,7 +328,7 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
         report = verify(folder)
         run_checks(folder, Checks(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
                                   min_acceptance=checks.min_acceptance, min_mlp_gain=checks.min_mlp_gain),
-                   record, has_mtp=report.mtp_layers_config > 0, on_stage=events.stage)
+                   record, has_mtp=(report.mtp_layers_config or report.mtp_layers_found) > 0, on_stage=events.stage)
     card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
                       base_model=base_model)
     events.stage(f"uploading to {repo_id}")

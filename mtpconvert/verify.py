@@ -49,7 +49,7 @@ class Report:
     vlm: bool = False
     tensors: int = 0
     shards: int = 0
-    mtp_layers_config: int = 0
+    mtp_layers_config: Optional[int] = 0  # None: config.json does not say
     mtp_layers_found: int = 0
     mtp_complete: bool = False
     experts: str = "n/a"  # stacked | per-expert | fused | mixed | n/a
@@ -194,16 +194,21 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
 
     n_mtp, any_mtp = family.head_layers(targets)
     report.mtp_layers_found = n_mtp
+    claimed = n_mtp if spec.mtp_layers is None else spec.mtp_layers
+    if spec.mtp_layers is None and any_mtp:
+        report.add("mtp-count-missing", WARNING,
+                   f"config.json has no mtp_num_hidden_layers but the folder has {n_mtp} MTP layer(s); runtimes "
+                   "read the count from the config (mtpconvert convert writes it)")
     if spec.mtp_layers and not any_mtp:
         report.add("mtp-missing", ERROR,
                    f"config.json says mtp_num_hidden_layers={spec.mtp_layers} but the folder has no mtp.* "
                    "weights (stock mlx_lm.convert drops them); re-convert with mtpconvert, or set "
                    "mtp_num_hidden_layers to 0")
-    elif n_mtp != spec.mtp_layers and any_mtp:
+    elif n_mtp != claimed and any_mtp:
         report.add("mtp-count", ERROR,
                    f"folder has {n_mtp} MTP layer(s), config.json says {spec.mtp_layers}")
 
-    slots = family.expected_slots(spec, max(n_mtp, spec.mtp_layers if any_mtp else 0))
+    slots = family.expected_slots(spec, max(n_mtp, claimed if any_mtp else 0))
     style = report.layout
     missing = []
     for name, slot in slots.items():
@@ -220,7 +225,7 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
         if slot.group == MTP and not any_mtp:
             continue  # reported once as mtp-missing
         report.add(code, ERROR, f"missing {slot.name}", family.source_name(slot.name, style))
-    report.mtp_complete = any_mtp and not any(s.group == MTP for s in missing) and n_mtp == spec.mtp_layers
+    report.mtp_complete = any_mtp and not any(s.group == MTP for s in missing) and n_mtp == claimed
 
     tie = spec.tie_word_embeddings
     for name, contribs in targets.items():

@@ -362,3 +362,54 @@ def test_no_shared_memory_means_mlx_quantizes(raw_checkpoints, tmp_path, monkeyp
     ckpt = open_checkpoint(raw_checkpoints("dense-vlm").path)
     execute(build_plan(ckpt, CASES["dense-vlm"]), ckpt, tmp_path / "out", block_bytes=3000, workers=2)
     assert numpy_pool["numpy"] == 0 and numpy_pool["mlx fallback"] > 2
+
+
+FP8_CASES = {
+    "dense-4bit": ("dense", ConvertOptions(quant=QuantOptions(bits=4, group_size=32))),
+    "dense-8bit-f16": ("dense", ConvertOptions(dtype="float16", quant=QuantOptions(bits=8, group_size=64))),
+    "moe-4bit-match": ("moe", ConvertOptions(quant=QuantOptions(bits=4, group_size=64, mtp="match"))),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_text_twins(tmp_path_factory):
+    """Block-FP8 twins of the trained text fixtures (hidden 192: matrices of one full and one partial
+    128-row block, per-expert MoE experts with their own scales)."""
+    from fp8 import fp8_twin
+    from mtpconvert.fixture.text import TEXT_DENSE, TEXT_MOE
+
+    root = tmp_path_factory.mktemp("fp8")
+    return {"dense": fp8_twin(TEXT_DENSE, root / "dense"), "moe": fp8_twin(TEXT_MOE, root / "moe")}
+
+
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+def test_fp8_sources_quantize_in_numpy_with_mlxs_bytes(fp8_text_twins, tmp_path, monkeypatch, numpy_pool, case):
+    """An FP8 release is dequantized in the worker (e4m3 table times its block scale) and quantized there:
+    the bytes are those of MLX's path (dequant_fp8 then mx.quantize), blocks split on the scale grid."""
+    source, options = FP8_CASES[case]
+    ckpt = open_checkpoint(fp8_text_twins[source])
+    plan = build_plan(ckpt, options)
+    assert any(it.sources[0].scale is not None and quantized_in_numpy(it) for it in plan.items)
+    execute(plan, ckpt, tmp_path / "numpy", block_bytes=20000, workers=2)
+    assert numpy_pool["numpy"] > 2 and numpy_pool["mlx fallback"] == 0
+    monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
+    execute(plan, ckpt, tmp_path / "mlx", block_bytes=20000, workers=2)
+    assert numpy_pool["mlx fallback"] > 2
+    assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
+    assert npquant.task_groups([("f", 0, (3, 64), ("s", 0, (1, 1), "BF16", 0))], 32) == 6
+
+
+def test_a_non_finite_fp8_scale_is_named_on_the_numpy_path_too(fp8_text_twins, tmp_path, numpy_pool):
+    """npquant gives a block whose scale is not finite back to MLX's path, which names the scale."""
+    from fp8 import poison_scale
+    from mtpconvert.errors import LayoutError
+
+    src = tmp_path / "src"
+    shutil.copytree(fp8_text_twins["dense"], src)
+    weight = poison_scale(src, next(k for k in open_checkpoint(src).tensors if k.endswith("mlp.down_proj.weight")))
+    ckpt = open_checkpoint(src)
+    plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4)))
+    with pytest.raises(LayoutError, match="FP8 scale holds NaN or Inf") as e:
+        execute(plan, ckpt, tmp_path / "out", block_bytes=20000)
+    assert e.value.key == weight + "_scale_inv"
+    assert numpy_pool["mlx fallback"] >= 1 and not (tmp_path / "out").exists()

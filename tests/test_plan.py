@@ -124,6 +124,49 @@ def test_mtp_weights_without_config(tmp_path):
         plan_for(built)
 
 
+def _without_mtp_count(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config.get("text_config", config).pop("mtp_num_hidden_layers")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_config_without_the_mtp_count_takes_it_from_the_tensors(tmp_path, layers):
+    """Some Qwen3.6 variants (and every Qwen3-Next config) omit mtp_num_hidden_layers while the head is
+    there: the count comes from the tensors, the plan says so, the output config carries it, and
+    verify warns about the source but accepts the converted folder."""
+    from checkpoints import build
+    from mtpconvert.execute import execute
+    from mtpconvert.verify import verify
+
+    built = build(tmp_path / "src", mtp_layers=layers, tokenizer=False)
+    _without_mtp_count(built.path)
+    plan = plan_for(built)
+    assert plan.mtp_layers == layers and len(plan.head_items) > 0
+    assert plan.notes == [f"config.json has no mtp_num_hidden_layers: {layers} MTP layer(s) found in the "
+                          "tensors, written into the output config"]
+    assert plan.to_json()["notes"] == plan.notes
+    assert plan.config["text_config"]["mtp_num_hidden_layers"] == layers
+    assert plan_for(built, quant=dict(mtp="drop")).mtp_layers == 0
+
+    source = verify(built.path)
+    assert source.ok and source.mtp_layers_config is None and source.mtp_complete
+    assert [f.code for f in source.findings] == ["mtp-count-missing"]
+    execute(plan, open_checkpoint(built.path), tmp_path / "out")
+    out = verify(tmp_path / "out")
+    assert out.ok and out.mtp_layers_config == out.mtp_layers_found == layers and not out.findings
+
+
+def test_a_config_without_the_mtp_count_and_no_head_keeps_none(tmp_path):
+    from checkpoints import build
+
+    built = build(tmp_path / "src", mtp_layers=0, tokenizer=False)
+    _without_mtp_count(built.path)
+    plan = plan_for(built)
+    assert plan.mtp_layers == 0 and plan.notes == [] and not plan.head_items
+    assert plan.config["text_config"]["mtp_num_hidden_layers"] == 0
+
+
 def _drop_key(folder, pattern):
     from safetensors.numpy import load_file, save_file
 

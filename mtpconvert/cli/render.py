@@ -77,13 +77,16 @@ def plan_summary(plan: Plan, console: Console) -> None:
         f"dtype {plan.dtype}, MTP layers kept: {plan.mtp_layers} (policy {plan.options.quant.mtp}), "
         f"{len(plan.shards)} output shard(s), {len(plan.dropped)} source tensor(s) dropped"
     )
+    for note in plan.notes:
+        console.print(f"note: {note}", highlight=False)
 
 
 def report_table(report: Report, console: Console) -> None:
     table = Table(title=f"verify: {report.path}", show_header=False)
     table.add_column("check")
     table.add_column("result", overflow="fold")
-    mtp = f"{report.mtp_layers_found} found / {report.mtp_layers_config} in config"
+    in_config = "not" if report.mtp_layers_config is None else report.mtp_layers_config
+    mtp = f"{report.mtp_layers_found} found / {in_config} in config"
     mtp += " (complete)" if report.mtp_complete else ""
     rows = [
         ("layout", f"{report.layout} ({'VLM wrapper' if report.vlm else 'text-only'})"),

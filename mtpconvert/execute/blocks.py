@@ -26,7 +26,7 @@ from ..io.shard_writer import BF16Bits
 from ..plan import PlanItem, SourceRef
 from ..plan.fp8 import BLOCK as FP8_BLOCK
 from ..plan.fp8 import scale_rows
-from ..plan.steps import HALVES, Cast, Gather, Quantize, SplitGateUp, StackExperts
+from ..plan.steps import HALVES, Cast, DequantFP8, Gather, Quantize, SplitGateUp, StackExperts
 from . import npquant
 from .ops import apply_steps, dequant_fp8, gather
 
@@ -117,9 +117,9 @@ def produce(item: PlanItem, ckpt: Checkpoint, reader: TensorReader) -> List[mx.a
     return outs
 
 
-# Steps a numpy-quantized item may have: gathers (done by viewing the source), a cast and
-# the quantization itself (both done by npquant).
-NUMPY_STEPS = (StackExperts, SplitGateUp, Cast, Quantize)
+# Steps a numpy-quantized item may have: FP8 dequantization and gathers (done as the source is
+# read), a cast and the quantization itself (both done by npquant).
+NUMPY_STEPS = (DequantFP8, StackExperts, SplitGateUp, Cast, Quantize)
 NUMPY_GATHERS = (Gather.LOAD, Gather.STACK) + HALVES
 
 
@@ -188,7 +188,15 @@ def numpy_task(block: Block, ckpt: Checkpoint, reader: TensorReader) -> tuple:
     item, q = block.item, block.item.quant
     for s in item.sources[block.start:block.stop] if item.gather is Gather.STACK else item.sources[:1]:
         reader.ensure(ckpt.tensors[s.key])
-    return (_source_runs(block, ckpt), item.sources[0].dtype, item.dtype, q.bits, q.group_size)
+        if s.scale is not None:
+            reader.ensure(ckpt.tensors[s.scale.key])
+    runs = _source_runs(block, ckpt)
+    if is_fp8(item):  # each run with its scale rows (one run per expert, or the block's rows of a matrix)
+        source = item.sources[0]
+        first = scale_rows(source.shape, block.start, block.stop)[0]
+        offset = block.start - first * FP8_BLOCK if len(source.shape) == 2 and item.gather is Gather.LOAD else 0
+        runs = [(*run, (*scale, source.scale.dtype, offset)) for run, scale in zip(runs, _scale_runs(block, ckpt))]
+    return (runs, item.sources[0].dtype, item.dtype, q.bits, q.group_size)
 
 
 def numpy_groups(block: Block) -> int:

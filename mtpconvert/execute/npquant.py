@@ -8,7 +8,9 @@ contiguous, vectorised numpy pass over a chunk that stays in L2. The arithmetic 
 kernel's, in its order of float32 operations (``tests/test_npquant.py`` compares bytes with
 ``mx.quantize`` for every supported dtype, width and group size, edge-case groups included).
 A block holding a NaN or an infinity returns ``None``: the caller quantizes it with
-``mx.quantize``, whose handling of those values we do not reproduce. Conversions run it in
+``mx.quantize``, whose handling of those values we do not reproduce. Block-FP8 sources are
+dequantized here first (``e4m3_table`` times the block scale, the float32 products MLX's path
+computes), so an FP8 release quantizes at the speed of a BF16 one. Conversions run it in
 one worker process per core (``quantize_file_rows_into``, driven by ``quantpool``): numpy
 holds the GIL between passes.
 """
@@ -28,7 +30,8 @@ import numpy as np
 
 BITS = (2, 4, 8)
 GROUP_SIZES = (32, 64, 128)
-SOURCE_DTYPES = ("BF16", "F16", "F32")  # safetensors dtypes read as uint16 / float16 / float32
+SOURCE_DTYPES = ("BF16", "F16", "F32", "F8_E4M3")  # read as uint16 / float16 / float32; FP8 dequantized to float32
+FP8_BLOCK = 128  # the block-FP8 scale grid (plan.fp8.BLOCK)
 TARGET_DTYPES = ("bfloat16", "float16", "float32")  # the dtype the weight is quantized in
 CHUNK_ELEMENTS = 1 << 18  # 1 MiB of float32 per pass: stays in a core's L2
 
@@ -36,6 +39,18 @@ CHUNK_ELEMENTS = 1 << 18  # 1 MiB of float32 per pass: stays in a core's L2
 def supports(source_dtype: str, target_dtype: str, bits: int, group_size: int, mode: str = "affine") -> bool:
     return (mode == "affine" and bits in BITS and group_size in GROUP_SIZES
             and source_dtype in SOURCE_DTYPES and target_dtype in TARGET_DTYPES)
+
+
+def e4m3_table() -> np.ndarray:
+    """The float32 value of each of the 256 float8_e4m3fn codes (no infinities; 0x7f/0xff are NaN)."""
+    codes = np.arange(256, dtype=np.uint32)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent, mantissa = (codes >> 3) & 0xF, (codes & 0x7).astype(np.float64)
+    normal = (1 + mantissa / 8) * np.exp2(exponent.astype(np.float64) - 7)
+    subnormal = (mantissa / 8) * 2.0 ** -6
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values.astype(np.float32)
 
 
 def _as_float32_rows(lanes: np.ndarray, source_dtype: str, out: np.ndarray) -> np.ndarray:
@@ -234,7 +249,13 @@ def quantize_file_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source
     it. Plain unbuffered reads into the rows' own arrays keep no streamed shard open after
     the call (a mapping would).
     """
-    return quantize_rows(_read_rows(reads, source_dtype), source_dtype, target_dtype, bits, group_size)
+    rows = _read_rows(reads, source_dtype)
+    return None if rows is None else quantize_rows(rows, _quantized_as(source_dtype), target_dtype, bits, group_size)
+
+
+def _quantized_as(source_dtype: str) -> str:
+    """The dtype the rows reach the quantizer in: FP8 arrives dequantized to float32."""
+    return "F32" if source_dtype == "F8_E4M3" else source_dtype
 
 
 def quantize_file_rows_into(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str, target_dtype: str,
@@ -248,37 +269,63 @@ def quantize_file_rows_into(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], s
     if size > capacity:  # would spill into the next slot
         raise ValueError(f"a result of {size} bytes does not fit its {capacity}-byte slot")
     rows = _read_rows(reads, source_dtype)
+    if rows is None:
+        return False
     out = result_views(_attached(segment)[offset:offset + size], groups, bits, group_size, target_dtype)
-    return quantize_rows(rows, source_dtype, target_dtype, bits, group_size, out) is not None
+    return quantize_rows(rows, _quantized_as(source_dtype), target_dtype, bits, group_size, out) is not None
 
 
-def task_groups(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], group_size: int) -> int:
+def task_groups(reads: Sequence[tuple], group_size: int) -> int:
     """Quantization groups in the rows ``reads`` names (what sizes and lays out its result)."""
-    return sum(math.prod(shape) for _, _, shape in reads) // group_size
+    return sum(math.prod(read[2]) for read in reads) // group_size
 
 
-def _read_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str) -> list:
-    dtype = np.dtype({"BF16": np.uint16, "F16": np.float16, "F32": np.float32}[source_dtype])
+READ_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8}
+
+
+def _read_rows(reads: Sequence[tuple], source_dtype: str) -> list:
+    """The runs' rows as stored; an FP8 run ``(file, offset, shape, scale)`` with ``scale`` =
+    (file, offset, shape, dtype, first row within the scale's first block) comes back dequantized
+    to float32, or None for all when a scale is not finite (the caller's MLX path names it)."""
     rows, files = [], {}
     try:
-        for path, offset, shape in reads:
-            if path not in files:
-                files[path] = open(path, "rb", buffering=0)
-            f = files[path]
-            row = np.empty(shape, dtype)
-            view = memoryview(row.reshape(-1).view(np.uint8))
-            f.seek(offset)
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done:])
-                if not n:
-                    raise OSError(f"{path}: file ends inside a tensor (byte {offset + done})")
-                done += n
+        for path, offset, shape, *scale in reads:
+            row = _read(files, path, offset, shape, READ_DTYPES[source_dtype])
+            if scale:
+                row = _dequantized(row, _read(files, *scale[0][:3], READ_DTYPES[scale[0][3]]), *scale[0][3:])
+                if row is None:
+                    return None
             rows.append(row)
     finally:
         for f in files.values():
             f.close()
     return rows
+
+
+def _read(files: dict, path: str, offset: int, shape: Tuple[int, ...], dtype) -> np.ndarray:
+    if path not in files:
+        files[path] = open(path, "rb", buffering=0)
+    f = files[path]
+    row = np.empty(shape, dtype)
+    view = memoryview(row.reshape(-1).view(np.uint8))
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise OSError(f"{path}: file ends inside a tensor (byte {offset + done})")
+        done += n
+    return row
+
+
+def _dequantized(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_offset: int) -> Optional[np.ndarray]:
+    """``e4m3(codes) * scale`` per 128x128 block of the last two axes, in float32 (as ``execute.ops``)."""
+    scale = _as_float32_rows(scale, scale_dtype, np.empty(scale.shape, np.float32))
+    if not np.isfinite(scale).all():
+        return None
+    rows, cols = codes.shape[-2:]
+    grid = np.repeat(np.repeat(scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., row_offset:row_offset + rows, :cols]
+    return np.multiply(e4m3_table()[codes], grid)
 
 
 _SEGMENTS: dict = {}  # shared memory this worker has attached, by name: kept for the pool's life

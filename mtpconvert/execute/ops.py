@@ -6,23 +6,16 @@ import functools
 from typing import List, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from ..plan.quant import QuantSpec
+from .npquant import e4m3_table
 from ..plan.steps import GATHER_STEPS, Cast, ConvAxis, Gather, Quantize, ShiftNorm, Step
 
 
 @functools.lru_cache(maxsize=1)
 def e4m3_values() -> mx.array:
-    """The float32 value of each of the 256 float8_e4m3fn codes (no infinities; 0x7f/0xff are NaN)."""
-    codes = np.arange(256, dtype=np.uint32)
-    sign = np.where(codes & 0x80, -1.0, 1.0)
-    exponent, mantissa = (codes >> 3) & 0xF, (codes & 0x7).astype(np.float64)
-    normal = (1 + mantissa / 8) * np.exp2(exponent.astype(np.float64) - 7)
-    subnormal = (mantissa / 8) * 2.0 ** -6
-    values = sign * np.where(exponent == 0, subnormal, normal)
-    values[(codes & 0x7F) == 0x7F] = np.nan
-    return mx.array(values.astype(np.float32))
+    """The float32 value of each of the 256 float8_e4m3fn codes (``npquant.e4m3_table``)."""
+    return mx.array(e4m3_table())
 
 
 def dequant_fp8(codes: mx.array, scale: mx.array, block: int, row_offset: int = 0) -> mx.array:

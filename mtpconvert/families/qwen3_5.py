@@ -62,7 +62,7 @@ class ModelSpec:
     shared_expert_intermediate_size: int
     tie_word_embeddings: bool
     attention_bias: bool
-    mtp_layers: int  # what the config claims
+    mtp_layers: Optional[int]  # what the config claims; None where it does not say (the tensors decide)
 
     @property
     def is_moe(self) -> bool:
@@ -142,7 +142,7 @@ def model_spec(config: dict) -> ModelSpec:
         shared_expert_intermediate_size=config_int(tc, "shared_expert_intermediate_size", 0) if num_experts else 0,
         tie_word_embeddings=resolve_tie(config),
         attention_bias=config_bool(tc, "attention_bias"),
-        mtp_layers=config_int(tc, "mtp_num_hidden_layers", 0),
+        mtp_layers=config_int(tc, "mtp_num_hidden_layers") if "mtp_num_hidden_layers" in tc else None,
     )
 
 

@@ -166,7 +166,8 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
             contribs[m.target].append(m)
 
     dropped: List[Tuple[str, str]] = []
-    n_mtp = _head_layers(ckpt, family, spec, contribs, dropped, quant.mtp == "drop")
+    notes: List[str] = []
+    n_mtp = _head_layers(ckpt, family, spec, contribs, dropped, notes, quant.mtp == "drop")
     slots = family.expected_slots(spec, n_mtp)
     if spec.tie_word_embeddings and family.lm_head in contribs:
         dropped += [(c.source, "tie_word_embeddings: lm_head shares embed_tokens") for c in contribs.pop(family.lm_head)]
@@ -197,6 +198,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         mtp_layers=n_mtp,
         config={},
         shards=sorted({it.shard for it in items}),
+        notes=notes,
     )
     plan.config = output_config(ckpt.config, spec, n_mtp, quantization_block(decisions, quant), opts.keep_vision)
     if sidecar:
@@ -210,17 +212,23 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
 
 
 def _head_layers(ckpt: Checkpoint, family: Family, spec, contribs: Dict[str, List[Mapped]],
-                 dropped: List[Tuple[str, str]], drop: bool) -> int:
+                 dropped: List[Tuple[str, str]], notes: List[str], drop: bool) -> int:
     """The number of head layers the output keeps; under ``--mtp drop`` the head's sources move to
-    ``dropped``. A head that disagrees with the config is refused, naming both counts."""
+    ``dropped``. A config without the count takes it from the tensors (said in ``notes``); a head
+    that disagrees with the config's count is refused, naming both counts."""
     n_mtp, any_mtp = family.head_layers(contribs)
     if drop:
         for t in [t for t in contribs if family.is_head(t)]:
             dropped += [(c.source, "--mtp drop") for c in contribs.pop(t)]
         return 0
+    if spec.mtp_layers is None and not (any_mtp and n_mtp == 0):
+        if n_mtp:
+            notes.append(f"config.json has no mtp_num_hidden_layers: {n_mtp} MTP layer(s) found in the tensors, "
+                         "written into the output config")
+        return n_mtp
     if n_mtp == spec.mtp_layers and not (any_mtp and n_mtp == 0):
         return n_mtp
-    if n_mtp == 0 and spec.mtp_layers > 0:
+    if n_mtp == 0 and spec.mtp_layers:
         raise LayoutError(
             f"config.json promises mtp_num_hidden_layers={spec.mtp_layers} but the checkpoint "
             "has no MTP layers" + (" (only partial mtp.* tensors)" if any_mtp else " (no mtp.* tensors)"),

@@ -85,6 +85,7 @@ class Plan:
     mtp_layers: int  # kept in the output
     config: dict  # config.json to write
     shards: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)  # what the plan decided that the config did not say
 
     def by_group(self) -> Dict[str, List[PlanItem]]:
         out: Dict[str, List[PlanItem]] = defaultdict(list)
@@ -112,6 +113,7 @@ class Plan:
             "norm_shift": self.raw,
             "dtype": self.dtype,
             "mtp_layers": self.mtp_layers,
+            "notes": list(self.notes),
             "mtp_policy": self.options.quant.mtp,
             "mtp_layout": self.options.mtp_layout if self.mtp_layers else None,
             "quantization": self.config.get("quantization"),
