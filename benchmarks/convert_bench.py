@@ -7,6 +7,12 @@ with `--mtp drop` (same work as mlx-lm) and with the head kept.
     python benchmarks/synth.py Qwen3.5-27B /tmp/synth --layers 4 --shard-gb 2
     python benchmarks/convert_bench.py /tmp/synth --bits 4 [--tools mtpconvert-drop-mlxquant,mtpconvert-drop] [--repeat 3]
     python benchmarks/convert_bench.py /tmp/synth --tools mlx_lm,mtpconvert-drop,mlx_lm@cpu,mtpconvert-drop@cpu --digest
+
+``--fp8-twin DIR`` runs every tool on DIR as well (rows ``tool[fp8]``), round-robin with the source: the
+block-FP8 twin of the same checkpoint (``benchmarks/fp8_twin.py``), whose output has the same shapes.
+
+    python benchmarks/fp8_twin.py /tmp/synth /tmp/synth-fp8
+    python benchmarks/convert_bench.py /tmp/synth --fp8-twin /tmp/synth-fp8 --tools mtpconvert --repeat 2
 """
 
 from __future__ import annotations
@@ -136,14 +142,18 @@ def main(argv=None):
     ap.add_argument("--digest", action="store_true", help="sha256 of each output (after timing): equal digests "
                     "are byte-identical outputs")
     ap.add_argument("--json", type=Path, help="also write every run here")
+    ap.add_argument("--fp8-twin", type=Path, help="the source's block-FP8 twin: every tool runs on it too")
     args = ap.parse_args(argv)
     shards = sorted(args.src.glob("*.safetensors"))
     src_bytes = sum(p.stat().st_size for p in shards)
     largest = max(p.stat().st_size for p in shards)
-    tries = {t: [] for t in args.tools.split(",")}
+    sources = {t: args.src for t in args.tools.split(",")}
+    if args.fp8_twin:
+        sources.update({f"{t}[fp8]": args.fp8_twin for t in args.tools.split(",")})
+    tries = {t: [] for t in sources}
     for _ in range(args.repeat):
         for t in tries:
-            tries[t].append(run(t, args.src, args.bits, args.cold, args.digest))
+            tries[t].append(run(t.removesuffix("[fp8]"), sources[t], args.bits, args.cold, args.digest))
             print(t, json.dumps(tries[t][-1]), flush=True)
     rows = {t: min(runs, key=lambda r: r["wall_s"]) for t, runs in tries.items()}
     gib = 2**30
@@ -152,15 +162,16 @@ def main(argv=None):
     print(f"best of {args.repeat} run(s) per tool; CPU s = user + system of the tool and its workers; "
           "steal s = CPU time the hypervisor took from this VM during the run")
     print("| tool | device | wall s (all runs) | vs first tool | user + sys CPU s | steal s | peak RSS GiB "
-          "| RSS - largest shard | written to storage GiB | output GiB | output digest |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| RSS - largest shard | written to storage GiB | output GiB | output MB/s | output digest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = next(iter(rows.values()))["wall_s"]
     for tool, r in rows.items():
         rss = r["peak_rss_kib"] * 1024
         walls = ", ".join(f"{x['wall_s']:.1f}" for x in tries[tool])
         print(f"| {tool} | {r['device']} | {r['wall_s']:.1f} ({walls}) | {r['wall_s'] / base:.2f}x "
               f"| {r['user_s']:.1f} + {r['sys_s']:.1f} | {r['steal_s']:.1f} | {rss / gib:.2f} | {(rss - largest) / gib:+.2f} "
-              f"| {r['write_bytes'] / gib:.2f} | {r['out_bytes'] / gib:.2f} | {r.get('digest', '')} |")
+              f"| {r['write_bytes'] / gib:.2f} | {r['out_bytes'] / gib:.2f} | {r['out_bytes'] / r['wall_s'] / 1e6:.0f} "
+              f"| {r.get('digest', '')} |")
     print(json.dumps(rows))
     if args.json:
         args.json.write_text(json.dumps({"source_bytes": src_bytes, "largest_shard": largest, "best": rows,

@@ -254,3 +254,32 @@ def test_unsupported_model_type(tmp_path):
         model_spec({"model_type": "qwen3_next"})
     with pytest.raises(ConfigError, match="unknown model_type"):
         model_spec({"model_type": "llama"})
+
+
+@pytest.mark.parametrize("extra, fmt", [
+    ({"weight_scale": ((8, 4), "float8_e4m3fn"), "weight_scale_2": ((), "float32"), "input_scale": ((), "float32")},
+     "NVFP4 (NVIDIA ModelOpt)"),
+    ({"weight_packed": ((64, 32), "uint8"), "weight_global_scale": ((1,), "float32")}, "FP4 (compressed-tensors)"),
+    ({"weight_scale": ((), "float32")}, "per-tensor FP8 / NVFP4 (NVIDIA ModelOpt)"),
+])
+def test_fp4_and_per_tensor_sources_are_refused_by_format(tmp_path, extra, fmt):
+    """NVFP4/MXFP4 and ModelOpt per-tensor FP8 releases are not converted: the error names the format, the
+    tensor and what to convert instead, from the plan (nothing read) and in verify."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from checkpoints import build
+    from mtpconvert.verify import verify
+
+    built = build(tmp_path / "src", tokenizer=False)
+    (path,) = built.path.glob("*.safetensors")
+    tensors = load_file(str(path))
+    module = next(k for k in sorted(tensors) if k.endswith("mlp.gate_proj.weight"))[: -len(".weight")]
+    for name, (shape, dtype) in extra.items():
+        tensors[f"{module}.{name}"] = torch.ones(shape, dtype=torch.float32).to(getattr(torch, dtype))
+    save_file(tensors, str(path))
+    with pytest.raises(LayoutError, match=re.escape(fmt)) as e:
+        plan_for(built)
+    assert e.value.key.startswith(module) and "BF16 release" in (e.value.hint or "")
+    report = verify(built.path)
+    assert not report.ok and any(f.code == "format-unsupported" and fmt in f.message for f in report.findings)

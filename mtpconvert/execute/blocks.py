@@ -67,7 +67,9 @@ def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Bl
     n = rows(item)
     if n == 0:
         return [Block(item, 0, 0)]
-    per_row = max(1, item.in_bytes // n)
+    # an FP8 source is sized as the BF16 it becomes: its blocks then cost what a BF16 source's do
+    work = 2 * sum(math.prod(s.shape) for s in item.sources) if is_fp8(item) else item.in_bytes
+    per_row = max(1, work // n)
     step = max(1, max_bytes // per_row)
     if is_fp8(item) and len(item.sources[0].shape) == 2:
         step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)

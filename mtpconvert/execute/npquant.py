@@ -249,13 +249,15 @@ def quantize_file_rows(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source
     it. Plain unbuffered reads into the rows' own arrays keep no streamed shard open after
     the call (a mapping would).
     """
-    rows = _read_rows(reads, source_dtype)
-    return None if rows is None else quantize_rows(rows, _quantized_as(source_dtype), target_dtype, bits, group_size)
+    rows = _read_rows(reads, source_dtype, target_dtype)
+    return None if rows is None else quantize_rows(rows, _quantized_as(source_dtype, target_dtype), target_dtype,
+                                                   bits, group_size)
 
 
-def _quantized_as(source_dtype: str) -> str:
-    """The dtype the rows reach the quantizer in: FP8 arrives dequantized to float32."""
-    return "F32" if source_dtype == "F8_E4M3" else source_dtype
+def _quantized_as(source_dtype: str, target_dtype: str) -> str:
+    """The dtype the rows reach the quantizer in: FP8 arrives dequantized in the target dtype."""
+    return {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[target_dtype] if source_dtype == "F8_E4M3" \
+        else source_dtype
 
 
 def quantize_file_rows_into(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], source_dtype: str, target_dtype: str,
@@ -268,11 +270,12 @@ def quantize_file_rows_into(reads: Sequence[Tuple[str, int, Tuple[int, ...]]], s
     size = result_bytes(groups, bits, group_size, target_dtype)
     if size > capacity:  # would spill into the next slot
         raise ValueError(f"a result of {size} bytes does not fit its {capacity}-byte slot")
-    rows = _read_rows(reads, source_dtype)
+    rows = _read_rows(reads, source_dtype, target_dtype)
     if rows is None:
         return False
     out = result_views(_attached(segment)[offset:offset + size], groups, bits, group_size, target_dtype)
-    return quantize_rows(rows, _quantized_as(source_dtype), target_dtype, bits, group_size, out) is not None
+    return quantize_rows(rows, _quantized_as(source_dtype, target_dtype), target_dtype, bits, group_size,
+                         out) is not None
 
 
 def task_groups(reads: Sequence[tuple], group_size: int) -> int:
@@ -283,16 +286,18 @@ def task_groups(reads: Sequence[tuple], group_size: int) -> int:
 READ_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8}
 
 
-def _read_rows(reads: Sequence[tuple], source_dtype: str) -> list:
+def _read_rows(reads: Sequence[tuple], source_dtype: str, target_dtype: str) -> list:
     """The runs' rows as stored; an FP8 run ``(file, offset, shape, scale)`` with ``scale`` =
     (file, offset, shape, dtype, first row within the scale's first block) comes back dequantized
-    to float32, or None for all when a scale is not finite (the caller's MLX path names it)."""
+    and rounded to ``target_dtype`` (as MLX's cast after its dequantization), or None for all when
+    a scale is not finite (the caller's MLX path names it)."""
     rows, files = [], {}
     try:
         for path, offset, shape, *scale in reads:
             row = _read(files, path, offset, shape, READ_DTYPES[source_dtype])
             if scale:
-                row = _dequantized(row, _read(files, *scale[0][:3], READ_DTYPES[scale[0][3]]), *scale[0][3:])
+                stored = _read(files, *scale[0][:3], READ_DTYPES[scale[0][3]])
+                row = _dequantized(row, stored, *scale[0][3:], target_dtype)
                 if row is None:
                     return None
             rows.append(row)
@@ -318,14 +323,31 @@ def _read(files: dict, path: str, offset: int, shape: Tuple[int, ...], dtype) ->
     return row
 
 
-def _dequantized(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_offset: int) -> Optional[np.ndarray]:
-    """``e4m3(codes) * scale`` per 128x128 block of the last two axes, in float32 (as ``execute.ops``)."""
+E4M3 = e4m3_table()
+
+
+def _dequantized(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_offset: int,
+                 target_dtype: str) -> Optional[np.ndarray]:
+    """``e4m3(codes) * scale`` per 128x128 block of the last two axes, stored as ``target_dtype``: the
+    float32 products ``execute.ops.dequant_fp8`` computes, rounded as MLX's cast rounds them. A band
+    of 128 rows is one lookup in the tables of its blocks' values (256 per block, side by side),
+    indexed by code + 256 * column block: two passes over the codes, no float32 copy of them."""
     scale = _as_float32_rows(scale, scale_dtype, np.empty(scale.shape, np.float32))
     if not np.isfinite(scale).all():
         return None
+    out = np.empty(codes.shape, STORED[target_dtype])
     rows, cols = codes.shape[-2:]
-    grid = np.repeat(np.repeat(scale, FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., row_offset:row_offset + rows, :cols]
-    return np.multiply(e4m3_table()[codes], grid)
+    table_of_column = (np.arange(cols) // FP8_BLOCK * 256).astype(np.uint16 if cols <= 32768 else np.uint32)
+    for lead in np.ndindex(*codes.shape[:-2]):  # experts of a stacked tensor (none for a matrix)
+        band_codes, band_scales, band_out = codes[lead], scale[lead], out[lead]
+        for band in range(band_scales.shape[0]):
+            r0, r1 = max(band * FP8_BLOCK - row_offset, 0), min((band + 1) * FP8_BLOCK - row_offset, rows)
+            if r0 >= r1:
+                continue
+            tables = _store(E4M3[None, :] * band_scales[band][:, None], target_dtype).reshape(-1)
+            index = np.add(band_codes[r0:r1], table_of_column, dtype=table_of_column.dtype)
+            np.take(tables, index, out=band_out[r0:r1])
+    return out
 
 
 _SEGMENTS: dict = {}  # shared memory this worker has attached, by name: kept for the pool's life
