@@ -46,7 +46,7 @@ else:
     if "-workers" in tool:  # npquant worker processes with a GPU too
         os.environ["MTPCONVERT_NUMPY_QUANT"] = "all"
     from mtpconvert.cli import app
-    args = ["convert", src, out, "--bits", bits, "--group-size", "64", "--no-smoke"]
+    args = ["convert", src, out, "--no-smoke"] + (["--bits", bits, "--group-size", "64"] if bits != "0" else [])
     if tool.startswith("mtpconvert-drop"):
         args += ["--mtp", "drop"]
     try:
@@ -133,7 +133,7 @@ def run(tool: str, src: Path, bits: int, cold: bool = False, digest: bool = Fals
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
-    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--bits", type=int, default=4, help="0: no quantization (mtpconvert tools only)")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root); default: warm")
     ap.add_argument("--tools", default="mlx_lm,mtpconvert-drop,mtpconvert",
                     help="mlx_lm, mtpconvert, mtpconvert-drop (--mtp drop); a -mlxquant suffix quantizes "

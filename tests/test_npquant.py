@@ -114,8 +114,8 @@ def numpy_pool(monkeypatch):
 
     real_direct = execute_mod.direct_read
 
-    def direct(block, ckpt):  # MLX's blocks whose source the reader threads read in place
-        read = real_direct(block, ckpt)
+    def direct(block, ckpt, **kwargs):  # MLX's blocks whose source the reader threads read in place
+        read = real_direct(block, ckpt, **kwargs)
         if read is not None and quantized_in_numpy(block.item):
             made["mlx fallback"] += 1
         return read
@@ -413,3 +413,26 @@ def test_a_non_finite_fp8_scale_is_named_on_the_numpy_path_too(fp8_text_twins, t
         execute(plan, ckpt, tmp_path / "out", block_bytes=20000)
     assert e.value.key == weight + "_scale_inv"
     assert numpy_pool["mlx fallback"] >= 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("source", ["dense", "moe"])
+def test_fp8_sources_to_a_float_dtype_dequantize_on_the_reader_threads_with_mlxs_bytes(
+        fp8_text_twins, tmp_path, monkeypatch, source, dtype):
+    """On the CPU a float FP8 item is dequantized by the reader threads (npquant.dequantize_fp8 into the
+    block's buffer); the bytes are those of MLX's dequant_fp8 and cast, blocks split on the scale grid."""
+    ckpt = open_checkpoint(fp8_text_twins[source])
+    plan = build_plan(ckpt, ConvertOptions(dtype=dtype))
+    real, host = execute_mod.direct_read, Counter()
+
+    def counted(block, ckpt, dequantize_fp8=False):
+        read = real(block, ckpt, dequantize_fp8)
+        host[bool(read is not None and read.scales)] += 1
+        return read
+
+    monkeypatch.setattr(execute_mod, "direct_read", counted)
+    execute(plan, ckpt, tmp_path / "host", block_bytes=30000)
+    assert host[True] > 10
+    monkeypatch.setattr(execute_mod, "direct_read", lambda block, ckpt, dequantize_fp8=False: real(block, ckpt))
+    execute(plan, ckpt, tmp_path / "mlx", block_bytes=30000)
+    assert tree_digest(tmp_path / "host") == tree_digest(tmp_path / "mlx")

@@ -9,6 +9,7 @@ blocks, not the largest tensor, and blocks can be computed in parallel.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -223,20 +224,30 @@ def numpy_outputs(block: Block, made: Tuple[np.ndarray, np.ndarray, np.ndarray])
 class DirectRead:
     """A block's gathered source as byte runs of its files, in output row order: read
     straight into one buffer, they make the gathered array (``shape``, ``dtype``) with no
-    copy out of a mapping and no gather op."""
+    copy out of a mapping and no gather op. Block-FP8 runs come with ``scales``: the reader
+    thread dequantizes each run into ``dtype`` (``npquant.dequantize_fp8``) as it reads it."""
 
     runs: List[Tuple[object, int, int]]  # (TensorInfo read, byte offset in its file, bytes)
     shape: Tuple[int, ...]
     dtype: str  # safetensors dtype name
     nbytes: int
+    # per run: (scale TensorInfo, byte offset, bytes, scale rows' shape, first row within them, codes' shape)
+    scales: Optional[List[Tuple[object, int, int, Tuple[int, ...], int, Tuple[int, ...]]]] = None
 
 
-def direct_read(block: Block, ckpt: Checkpoint) -> Optional[DirectRead]:
+FLOAT_ST = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def direct_read(block: Block, ckpt: Checkpoint, dequantize_fp8: bool = False) -> Optional[DirectRead]:
     """How to read ``block``'s gathered source in plain reads, or None where the gather needs
-    a copy (vision patch), the block is empty or a scalar, or the sources differ in dtype."""
+    a copy (vision patch), the block is empty or a scalar, or the sources differ in dtype.
+    A block-FP8 item is read this way only with ``dequantize_fp8`` (the host dequantizes: a CPU
+    backend) and when nothing but a cast follows its dequantization."""
     item, a, b = block.item, block.start, block.stop
-    if item.gather not in NUMPY_GATHERS or b <= a or len({s.dtype for s in item.sources}) != 1 or is_fp8(item):
+    if item.gather not in NUMPY_GATHERS or b <= a or len({s.dtype for s in item.sources}) != 1:
         return None
+    if is_fp8(item):
+        return _direct_fp8(block, ckpt) if dequantize_fp8 else None
     infos = ([ckpt.tensors[s.key] for s in item.sources[a:b]] if item.gather is Gather.STACK
              else [ckpt.tensors[item.sources[0].key]])
     if not infos[0].shape or infos[0].dtype not in DTYPES:
@@ -252,3 +263,27 @@ def direct_read(block: Block, ckpt: Checkpoint) -> Optional[DirectRead]:
     stacked = item.gather is Gather.STACK  # one run per expert, else runs of the one source tensor
     return DirectRead([(infos[i] if stacked else infos[0], off, run_bytes) for i, (_, off, _) in enumerate(runs)],
                       shape, infos[0].dtype, run_bytes * len(runs))
+
+
+def _direct_fp8(block: Block, ckpt: Checkpoint) -> Optional[DirectRead]:
+    """``direct_read`` of a float block-FP8 item: the codes' runs with their scale rows."""
+    item = block.item
+    if item.quant is not None or item.gather in HALVES or item.dtype not in FLOAT_ST or \
+            not all(isinstance(step, (DequantFP8, StackExperts, Cast)) for step in item.steps):
+        return None
+    plain = direct_read(dataclasses.replace(block, item=dataclasses.replace(item, sources=tuple(
+        dataclasses.replace(s, scale=None) for s in item.sources))), ckpt)
+    if plain is None:
+        return None
+    source = item.sources[0]
+    first = scale_rows(source.shape, block.start, block.stop)[0]
+    offset = block.start - first * FP8_BLOCK if len(source.shape) == 2 and item.gather is Gather.LOAD else 0
+    scale_infos = ([ckpt.tensors[s.scale.key] for s in item.sources[block.start:block.stop]]
+                   if item.gather is Gather.STACK else [ckpt.tensors[source.scale.key]])
+    itemsize = DTYPES[source.scale.dtype][2]
+    scales = [(scale_infos[i if item.gather is Gather.STACK else 0], off, math.prod(shape) * itemsize, shape, offset,
+               run_shape)
+              for i, ((_, off, shape), (_, _, run_shape)) in enumerate(zip(_scale_runs(block, ckpt),
+                                                                          _source_runs(block, ckpt)))]
+    st = FLOAT_ST[item.dtype]
+    return DirectRead(plain.runs, plain.shape, st, math.prod(plain.shape) * DTYPES[st][2], scales)

@@ -297,7 +297,7 @@ def _read_rows(reads: Sequence[tuple], source_dtype: str, target_dtype: str) -> 
             row = _read(files, path, offset, shape, READ_DTYPES[source_dtype])
             if scale:
                 stored = _read(files, *scale[0][:3], READ_DTYPES[scale[0][3]])
-                row = _dequantized(row, stored, *scale[0][3:], target_dtype)
+                row = dequantize_fp8(row, stored, *scale[0][3:], target_dtype)
                 if row is None:
                     return None
             rows.append(row)
@@ -326,8 +326,8 @@ def _read(files: dict, path: str, offset: int, shape: Tuple[int, ...], dtype) ->
 E4M3 = e4m3_table()
 
 
-def _dequantized(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_offset: int,
-                 target_dtype: str) -> Optional[np.ndarray]:
+def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_offset: int,
+                   target_dtype: str) -> Optional[np.ndarray]:
     """``e4m3(codes) * scale`` per 128x128 block of the last two axes, stored as ``target_dtype``: the
     float32 products ``execute.ops.dequant_fp8`` computes, rounded as MLX's cast rounds them. A band
     of 128 rows is one lookup in the tables of its blocks' values (256 per block, side by side),

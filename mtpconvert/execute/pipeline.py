@@ -21,6 +21,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..errors import LayoutError
 from ..io.checkpoint import Checkpoint
 from ..io.header import DTYPES
 from ..io.reader import TensorReader, pread_into
@@ -144,6 +145,25 @@ def _read_into(runs: List[Tuple[int, int, int]], dest: memoryview) -> None:
     for fd, offset, nbytes in runs:
         pread_into(fd, offset, dest[pos:pos + nbytes])
         pos += nbytes
+    PROFILE["read (reader threads)"] += time.perf_counter() - t
+
+
+def _dequantize_into(runs: List[Tuple[int, int, int]], scales: list, target_dtype: str, dest: memoryview) -> None:
+    """``_read_into`` for block-FP8 runs: each run's codes and scale rows read, dequantized into ``dest``
+    as ``target_dtype`` (numpy releases the GIL in its passes: reader threads run in parallel)."""
+    t = time.perf_counter()
+    pos = 0
+    for (fd, offset, nbytes), (scale_fd, scale_info, scale_offset, scale_bytes, scale_shape, first, shape) in zip(
+            runs, scales):
+        codes = np.empty(shape, np.uint8)
+        pread_into(fd, offset, memoryview(codes.reshape(-1)))
+        scale = np.empty(scale_shape, npquant.READ_DTYPES[scale_info.dtype])
+        pread_into(scale_fd, scale_offset, memoryview(scale.reshape(-1).view(np.uint8)))
+        values = npquant.dequantize_fp8(codes, scale, scale_info.dtype, first, target_dtype)
+        if values is None:
+            raise LayoutError("FP8 scale holds NaN or Inf", file=scale_info.file, key=scale_info.key)
+        dest[pos:pos + values.nbytes] = values.reshape(-1).view(np.uint8)
+        pos += values.nbytes
     PROFILE["read (reader threads)"] += time.perf_counter() - t
 
 
@@ -297,13 +317,18 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
                         advance()
                     queued.append((block, quantizers.submit(numpy_task(block, ckpt, reader)), None, None))
                 else:
-                    read = direct_read(block, ckpt)
+                    read = direct_read(block, ckpt, dequantize_fp8=not on_gpu)
                     if read is not None:
                         runs = [(reader.fileno(info), offset, n) for info, offset, n in read.runs]
                         while not buffers.has_free():
                             advance()
                         slot = buffers.take(read.nbytes)
-                        future = readers.submit(_read_into, runs, buffers.view(slot, read.nbytes))
+                        if read.scales:
+                            scales = [(reader.fileno(info), info, *rest) for info, *rest in read.scales]
+                            future = readers.submit(_dequantize_into, runs, scales, block.item.dtype,
+                                                    buffers.view(slot, read.nbytes))
+                        else:
+                            future = readers.submit(_read_into, runs, buffers.view(slot, read.nbytes))
                         queued.append((block, future, slot, read))
                     else:
                         queued.append((block, None, None, None))
