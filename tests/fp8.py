@@ -294,19 +294,52 @@ def twin_tensors(folder: Path) -> Dict[str, torch.Tensor]:
     return out
 
 
-def twin_weights(folder: Path) -> Dict[str, np.ndarray]:
-    """What a twin means, by weight key, in float32: FP8 weights dequantized with the scale AS STORED, the rest
-    widened. Scale tensors are consumed, not listed. This is the reference a conversion must reproduce."""
-    stored = twin_tensors(folder)
-    out: Dict[str, np.ndarray] = {}
+def _decoded(stored: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Stored tensors with the scales consumed: each FP8 weight becomes ``dequantize(codes, scale as stored)``
+    (float32), every other tensor stays as stored."""
+    out: Dict[str, torch.Tensor] = {}
     for k, t in stored.items():
         if k.endswith("." + SCALE):
             continue
         if t.dtype == torch.float8_e4m3fn:
             s = stored[k[: -len("weight")] + SCALE].float().numpy()
-            out[k] = dequantize(t.view(torch.uint8).numpy(), s)
-        else:
-            out[k] = t.float().numpy()
+            t = torch.from_numpy(dequantize(t.view(torch.uint8).numpy(), s))
+        out[k] = t
+    return out
+
+
+def twin_weights(folder: Path) -> Dict[str, np.ndarray]:
+    """What a twin means, by weight key, in float32: FP8 weights dequantized with the scale AS STORED, the rest
+    widened. Scale tensors are consumed, not listed. This is the reference a conversion must reproduce."""
+    return {k: t.float().numpy() for k, t in _decoded(twin_tensors(folder)).items()}
+
+
+def dequantized_twin(twin: Path, out: Path) -> Path:
+    """The plain raw folder a twin stands for, written to ``out``; return ``out``.
+
+    Same files and keys as the twin minus the scales; every FP8 weight is ``dequantize(codes, scale as stored)``
+    stored as F32, every other tensor exactly as the twin stores it. The index lists the same files, and
+    config.json is the twin's without ``quantization_config`` (top level and ``text_config``). Converting it and
+    the twin with the same options must give the same bytes: the converter's FP8 reading is checked against this
+    module's own decoding, never against itself.
+    """
+    twin, out = Path(twin), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    wm = _index(twin)
+    weight_map: Dict[str, str] = {}
+    for name in sorted(set(wm.values())):
+        tensors = _decoded(_read_torch(twin / name))
+        _save(out, name, tensors)
+        weight_map.update({k: name for k in tensors})
+    _write_index(out, weight_map)
+    config = json.loads((twin / "config.json").read_text())
+    for c in (config, config.get("text_config", {})):
+        c.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in twin.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, out / f.name)
     return out
 
 

@@ -372,7 +372,8 @@ def quantizer_pool(plan: Plan, streams: List[mx.Stream],
     on_cpu = all(s.device == mx.cpu for s in streams)
     items = [item for item in plan.items if quantized_in_numpy(item)]
     setting = os.environ.get("MTPCONVERT_NUMPY_QUANT", "1")
-    if not (on_cpu or setting == "all") or sum(item.in_bytes for item in items) < NUMPY_MIN_BYTES or setting == "0":
+    if not items or not (on_cpu or setting == "all") or sum(item.in_bytes for item in items) < NUMPY_MIN_BYTES \
+            or setting == "0":
         yield None
         return
     n = len(streams) if on_cpu else min(os.cpu_count() or 1, 8)
