@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 try:
     import tomllib
@@ -64,12 +65,18 @@ class Release:
     counts, the configs and tensor tables the rest; tools/layouts.py reads them, tests/test_recipes.py
     recomputes every field)."""
 
-    raw_shards: int  # safetensors shards of the release (bf16): a raw shard is params * 2 / raw_shards
+    raw_shards: Optional[int]  # safetensors files of the release; None: not known (only a ranged fetch is sized)
     hidden: int  # lm_head is vocab x hidden; the MTP head's fc is hidden x 2 hidden
     head_gb: float  # the MTP head's fc, norms and layer 0 in bf16: the sidecar on disk (--mtp keep)
     layer_b: float  # parameters of the largest decoder layer, in billions
     tensor_b: float  # parameters of the largest output tensor, in billions: the shard holding it is at least that
     moe: bool = False  # the head's layer has routed experts
+    # raw data on the Hub, GB, where it is not 2 bytes a parameter: a block-FP8 release stores 1 byte per FP8
+    # weight plus its BF16 scale per 128 x 128 block (about half)
+    raw_gb: Optional[float] = None
+    # the two largest raw files, GB rounded up, largest first, where the table gives every file's size (the FP8
+    # releases: one file per decoder layer, mtp.safetensors, outside.safetensors); else shards count at the mean
+    largest_raw_gb: Tuple[float, ...] = ()
 
     @property
     def head_b(self) -> float:
@@ -94,6 +101,16 @@ RELEASES: Dict[str, Release] = {
     "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 0.84, 0.51, moe=True),
     "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 2.51, 0.81, moe=True),
     "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 6.58, 2.15, moe=True),
+    # Qwen's block-FP8 releases: what is converted is the BF16 release's plan (the same output tensors), read from
+    # about half the raw bytes, in one file per decoder layer; the largest two are outside.safetensors (embed,
+    # lm_head, vision) and mtp.safetensors
+    "Qwen3.6-27B-FP8": Release(66, 5120, 0.85, 0.38, 1.27, raw_gb=30.87, largest_raw_gb=(6.01, 0.48)),
+    "Qwen3.8-27B-FP8": Release(66, 5120, 0.85, 0.38, 1.27, raw_gb=30.87, largest_raw_gb=(6.01, 0.48)),
+    "Qwen3.6-35B-A3B-FP8": Release(42, 2048, 1.69, 0.84, 0.51, moe=True, raw_gb=37.45, largest_raw_gb=(2.93, 0.86)),
+    # no vendored table: derived from Qwen3.5-397B-A17B's with the FP8 storage rule of the vendored FP8 releases
+    # (which it reproduces byte for byte from their BF16 tables); its file layout is not known, so only a ranged
+    # fetch (raw_window_gb) can be sized
+    "Qwen3.5-397B-A17B-FP8": Release(None, 4096, 13.19, 6.58, 2.15, moe=True, raw_gb=406.13),
 }
 # runtime.decoding.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
 # before installing; a test keeps the two equal): float32 experts the smoke casts at once, plus the
@@ -154,16 +171,34 @@ class Recipe:
         return params_b * (bits + 32 / (group_size or 64)) / 8
 
     @property
+    def raw_release_gb(self) -> float:
+        """The release's raw data: as stored where the release says (block-FP8: ~1 byte a parameter), else bf16."""
+        return self.release.raw_gb if self.release.raw_gb is not None else self.params_b * 2
+
+    @property
     def raw_shard_gb(self) -> float:
-        """One raw (bf16) shard of the release: its size / its shard count."""
-        return self.params_b * 2 / self.release.raw_shards
+        """One raw shard of the release: its largest file where the table gives each file's size, else its raw data
+        / its shard count (a mean); infinite where neither is known."""
+        r = self.release
+        if r.largest_raw_gb:
+            return r.largest_raw_gb[0]
+        return self.raw_release_gb / r.raw_shards if r.raw_shards else math.inf
+
+    @property
+    def shards_at_the_mean(self) -> bool:
+        """Whether whole raw shards are counted at the release's mean size (they may be larger)."""
+        return self.raw_window_gb is None and not self.release.largest_raw_gb
 
     @property
     def raw_gb(self) -> float:
         """Raw data on disk at once under ``--stream``: the window and the converter's blocks in flight when
-        fetched by range, else ``1 + prefetch_shards`` whole raw shards."""
+        fetched by range, else ``1 + prefetch_shards`` whole raw shards: the largest and, per shard ahead, the
+        second largest where the files' sizes are known, else the mean each."""
         if self.raw_window_gb is not None:
             return self.raw_window_gb + RANGED_BLOCKS_GB
+        largest = self.release.largest_raw_gb
+        if largest:
+            return largest[0] + self.prefetch_shards * largest[-1]
         return (1 + self.prefetch_shards) * self.raw_shard_gb
 
     @property
@@ -214,7 +249,7 @@ class Recipe:
         """Whether ``runner`` has the disk and memory this recipe needs, with ``SHARD_SIZE_HEADROOM_GB`` to spare
         where whole raw shards are counted at their mean size."""
         size = RUNNERS[runner]
-        spare = SHARD_SIZE_HEADROOM_GB if self.raw_window_gb is None else 0.0
+        spare = SHARD_SIZE_HEADROOM_GB if self.shards_at_the_mean else 0.0
         return self.disk_needed_gb() + spare <= size.disk_gb and self.memory_needed_gb() <= size.memory_gb
 
     def memory_needed_gb(self) -> float:

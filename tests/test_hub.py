@@ -1,5 +1,6 @@
 """pull-and-quantize and upload against a loopback Hub (huggingface_hub's real download/upload code runs)."""
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +21,9 @@ def hub(tmp_path, monkeypatch, raw_checkpoints):
     with FakeHub() as h:
         monkeypatch.setenv("HF_ENDPOINT", h.url)
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        # where huggingface_hub looks when given no cache_dir (a streamed shard's download copies a cached file): read
+        # from the environment once, at its import, which may be in an earlier test's tmp_path
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
         monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
         monkeypatch.delenv("HF_TOKEN", raising=False)
         # hf_xet is installed: without this, uploads would go to a Xet storage this server does not speak
@@ -275,6 +279,11 @@ def reshard(src, dst, n):
     return dst
 
 
+def allocated(stage: Path) -> int:
+    """Allocated bytes of the raw files in a streaming stage: holes (a stub's data, punched ranges) do not count."""
+    return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
+
+
 def served_moe(hub, tmp_path, monkeypatch, quantizer: str, prefix: str, shards: int):
     """A bf16 MoE laid out as Qwen3.5 publishes it (fused backbone experts, per-expert head), in ``shards``
     consecutive-key shards on the loopback Hub under its own repo (a plain pull fills the cache), and the
@@ -306,10 +315,6 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch,
     assert len(shard_sizes) == 5
     stage = tmp_path / ".streamed.stream"
     usage = []
-
-    def on_disk() -> int:  # allocated bytes, so the sparse header stubs count only their header
-        return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
-
     real_fetch, real_release = hub_mod.fetch_file, None
     from mtpconvert.hub import stream as streaming
 
@@ -317,11 +322,11 @@ def test_stream_keeps_at_most_two_raw_shards_on_disk(hub, tmp_path, monkeypatch,
 
     def fetch(plan, name, dest, **kw):
         real_fetch(plan, name, dest, **kw)
-        usage.append(on_disk())
+        usage.append(allocated(stage))  # the sparse header stubs count only their header
 
     def release(self, stub):
         real_release(self, stub)
-        usage.append(on_disk())
+        usage.append(allocated(stage))
 
     monkeypatch.setattr(hub_mod, "fetch_file", fetch)
     monkeypatch.setattr(streaming.ShardStream, "release", release)
@@ -359,10 +364,7 @@ def test_stream_with_no_prefetch_holds_one_raw_shard(hub, tmp_path, monkeypatch,
     sizes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
     stage, stubs = tmp_path / ".streamed.stream", 5 * 8192  # a stub's allocated header blocks
     assert sizes[0] > 2 * stubs  # a shard on disk shows above the stubs
-
-    def on_disk() -> int:
-        return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
-
+    on_disk = functools.partial(allocated, stage)
     at_start, after, real_fetch = [], [], hub_mod.fetch_file
 
     def fetch(plan, name, dest, **kw):
@@ -411,25 +413,28 @@ def test_bad_prefetch_is_one_line_naming_the_option(hub, tmp_path, args, expecte
     assert not [r for r in hub.log if r.path.endswith(".safetensors")]  # refused before any shard was read
 
 
-@pytest.mark.parametrize("quantizer", ["mlx", "numpy workers"])
-def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, tmp_path, monkeypatch, quantizer):
-    """--stream --raw-window: no shard is downloaded whole; each block's source bytes arrive just before it is
-    made (the fused backbone experts as one gate or up half per expert) and are punched out after it is
-    written, so raw data on disk stays near the window while the shards are several times larger. Every
-    byte is fetched once, the output bytes are those of a plain pull, and the record gives the command."""
+class RangedPull:
+    """What ``pull_by_ranges`` saw: the run's RangeStream, the bytes it had fetched ahead before the first block was
+    made, the staging folder's allocated bytes when each block's ranges had arrived, and every GET of the
+    repository's safetensors files, in order."""
+
+    def __init__(self, feed, ahead, usage, gets):
+        self.feed, self.ahead, self.usage, self.gets = feed, ahead, usage, gets
+
+    def spans(self) -> list:
+        """[start, end] (inclusive, as a Range header gives it) of each GET."""
+        return [tuple(map(int, r.range.split("=")[1].split("-"))) for r in self.gets]
+
+
+def pull_by_ranges(hub, monkeypatch, repo: str, out: Path, window: int, args) -> RangedPull:
+    """``pull-and-quantize REPO OUT --stream --raw-window`` (``window`` bytes) ``ARGS``, watched. The first block
+    waits until the prefetch has stopped (a loopback conversion keeps pace with its fetches, which would otherwise
+    never run a window ahead): what was fetched by then is what the window lets the stream hold ahead."""
+    import time
+
     from mtpconvert.hub import ranges
-    from mtpconvert.io.header import read_header
-    from mtpconvert.provenance import command_args
 
-    repo, src = served_moe(hub, tmp_path, monkeypatch, quantizer, "Qwen/Ranges-", 2)
-    shard_bytes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
-    window = shard_bytes[0] // 8
-    stage = tmp_path / ".streamed.stream"
-    usage, feeds = [], []
-
-    def on_disk() -> int:  # allocated bytes: holes and punched ranges do not count
-        return sum(p.stat().st_blocks * 512 for p in stage.rglob("*.safetensors*") if p.is_file())
-
+    stage, usage, feeds, ahead, first = out.parent / f".{out.name}.stream", [], [], [], len(hub.log)
     real_init, real_acquire = ranges.RangeStream.__init__, ranges.RangeStream.acquire
 
     def init(self, *a, **kw):
@@ -437,20 +442,43 @@ def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, t
         feeds.append(self)
 
     def acquire(self, key):
+        if not ahead:  # the prefetch has stopped: every request taken has landed, and none came for 0.2 s
+            seen = None
+            while seen != (self.requests, self.held_bytes) or self.held_bytes != self.fetched_bytes:
+                seen = (self.requests, self.held_bytes)
+                time.sleep(0.2)
+            ahead.append(self.held_bytes)
         real_acquire(self, key)
-        usage.append(on_disk())
+        usage.append(allocated(stage))
 
     monkeypatch.setattr(ranges.RangeStream, "__init__", init)
     monkeypatch.setattr(ranges.RangeStream, "acquire", acquire)
+    result = runner.invoke(app, ["pull-and-quantize", repo, str(out), "--stream", "--raw-window", repr(window / 1e9),
+                                 *args])
+    assert result.exit_code == 0, result.output
+    assert not stage.exists()
+    gets = [r for r in hub.log[first:] if r.method == "GET" and r.path.endswith(".safetensors") and repo in r.path]
+    assert gets and all(r.range for r in gets)  # never a whole shard
+    (feed,) = feeds
+    return RangedPull(feed, ahead[0], usage, gets)
+
+
+@pytest.mark.parametrize("quantizer", ["mlx", "numpy workers"])
+def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, tmp_path, monkeypatch, quantizer):
+    """--stream --raw-window: no shard is downloaded whole; each block's source bytes arrive just before it is
+    made (the fused backbone experts as one gate or up half per expert) and are punched out after it is
+    written, so raw data on disk stays near the window while the shards are several times larger. Every
+    byte is fetched once, the output bytes are those of a plain pull, and the record gives the command."""
+    from mtpconvert.io.header import read_header
+    from mtpconvert.provenance import command_args
+
+    repo, src = served_moe(hub, tmp_path, monkeypatch, quantizer, "Qwen/Ranges-", 2)
+    shard_bytes = sorted(p.stat().st_size for p in src.glob("*.safetensors"))
+    window = shard_bytes[0] // 8
     args = ["--bits", "4", "--group-size", "32", "--no-smoke"]
     out = tmp_path / "streamed"
-    result = runner.invoke(app, ["pull-and-quantize", repo, str(out), "--stream", "--raw-window",
-                                 repr(window / 1e9), *args])
-    assert result.exit_code == 0, result.output
-    (feed,) = feeds
-    data = [r for r in hub.log if r.method == "GET" and r.path.endswith(".safetensors") and repo in r.path]
-    assert data and all(r.range for r in data)  # never a whole shard
-    spans = [tuple(map(int, r.range.split("=")[1].split("-"))) for r in data]
+    run = pull_by_ranges(hub, monkeypatch, repo, out, window, args)
+    feed, spans = run.feed, run.spans()
     assert feed.requests == len(spans) - 2 * 2  # the stubs first: length prefix, then header, of each shard
     # every byte the plan reads (all but the vision tower's), in requests that never overlap: each fetched once
     read = sum(t.nbytes for p in src.glob("*.safetensors") for k, t in read_header(p).tensors.items()
@@ -459,17 +487,16 @@ def test_stream_by_byte_ranges_holds_the_window_and_writes_the_same_bytes(hub, t
     # the window binds: fetched ahead at most the window, plus the blocks execution already waits for
     # (a few dozen tensors of at most 64 KiB here); disk follows it, punched ranges included
     stubs = 2 * 8192  # each stub's header, rounded up to filesystem blocks
+    usage = run.usage
     assert feed.punched and usage and max(usage) <= feed.peak_bytes + stubs + 8 * 4096, (max(usage), feed.peak_bytes)
-    assert feed.peak_bytes < shard_bytes[0] / 3, (feed.peak_bytes, window)
-    assert not stage.exists()
+    assert window / 2 < run.ahead <= window and feed.peak_bytes < shard_bytes[0] / 3, (run.ahead, feed.peak_bytes)
     record = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["mtpconvert"]
     assert record["stream"] == {"raw_window_gb": window / 1e9}
     assert command_args(record, "x")[-3:] == ["--stream", "--raw-window", repr(window / 1e9)]
 
     plain = tmp_path / "plain"
     assert runner.invoke(app, ["pull-and-quantize", repo, str(plain), *args]).exit_code == 0
-    assert ({p.name: p.read_bytes() for p in out.glob("*.safetensors")}
-            == {p.name: p.read_bytes() for p in plain.glob("*.safetensors")})
+    assert shard_digests(out) == shard_digests(plain)
 
 
 def test_a_full_disk_while_downloading_is_named_as_such():
@@ -857,17 +884,57 @@ def tensor_bytes(path: Path) -> dict:
     return {k: (t.dtype, tuple(t.shape), data[t.start:t.end]) for k, t in read_header(path).tensors.items()}
 
 
+def graft_onto_headless(hub, repo: str, src: Path, base: Path, tmp_path: Path, options) -> dict:
+    """add-mtp as users meet it: ``base`` converted with ``options`` and --mtp drop (a folder without a single mtp.*
+    tensor, that verifies), then ``add-mtp REPO`` (``src`` served as ``repo``) onto it. Checks that it exits 0 with the
+    smoke's greedy output unchanged; the folder verifies with a complete head; the head is the one a direct `convert`
+    of ``src`` with the same options writes; the backbone's shards are the bytes they were and the sidecar is the
+    only new file; and from the Hub only, by range, each shard's header and its mtp.* tensors. Returns the head."""
+    from checkpoints import tree_digest
+
+    from mtpconvert.io.checkpoint import MTP_FILE
+    from mtpconvert.io.header import read_header
+    from mtpconvert.verify import verify
+
+    hub.add_folder(repo, src)
+    folder, direct = tmp_path / "headless-4bit", tmp_path / "direct"
+    made = runner.invoke(app, ["convert", str(base), str(folder), *options, "--mtp", "drop"])
+    assert made.exit_code == 0, made.output
+    before = verify(folder)
+    assert before.ok and before.mtp_layers_config == 0 and before.mtp_layers_found == 0
+    assert not (folder / MTP_FILE).exists()
+    shards_before = {n: d for n, d in tree_digest(folder).items() if n.endswith(".safetensors")}
+
+    result = runner.invoke(app, ["add-mtp", repo, str(folder), "--min-acceptance", "0", "--min-mlp-gain", "-1"])
+    assert result.exit_code == 0, result.output
+    assert "identical to plain greedy" in result.output
+    report = verify(folder)
+    assert report.ok and report.mtp_complete and report.mtp_layers_config == report.mtp_layers_found == 1
+    made = runner.invoke(app, ["convert", str(src), str(direct), *options])
+    assert made.exit_code == 0, made.output
+    grafted = tensor_bytes(folder / MTP_FILE)
+    assert grafted and grafted == tensor_bytes(direct / MTP_FILE)
+    after = tree_digest(folder)
+    assert {n: d for n, d in after.items() if n in shards_before} == shards_before
+    assert {n for n in after if n.endswith(".safetensors")} == set(shards_before) | {MTP_FILE}
+    gets = [r for r in hub.log if r.method == "GET" and r.path.endswith(".safetensors") and repo in r.path]
+    assert gets and all(r.range for r in gets)
+    for p in sorted(src.glob("*.safetensors")):
+        header = read_header(p)
+        want = [(0, header.data_start)] + [(t.start, t.end) for k, t in header.tensors.items() if k.startswith("mtp.")]
+        assert fetched_ranges(hub, repo, p.name) == merged(want), p.name
+    return grafted
+
+
 def test_add_mtp_grafts_qwen38_27b_head_from_its_last_shard_by_byte_range(hub, tmp_path):
     """Qwen3.8-27B's head, as add-mtp meets it: no mlx-community conversion keeps a single mtp.* tensor
     (their 4bit folder is --bits 4 --keep-vision --mtp drop: tests/test_layouts.py), and the release puts
     lm_head and all 15 mtp.* in its last shard. add-mtp reads each shard's header and the mtp.* ranges only
     (not lm_head beside them, not whole shards), writes the same 15 sidecar tensors a direct conversion writes,
     leaves the backbone's shards as they were, and the folder verifies with a complete head."""
-    from checkpoints import build, tree_digest
+    from checkpoints import build
 
-    from mtpconvert.io.checkpoint import MTP_FILE
     from mtpconvert.io.header import read_header
-    from mtpconvert.verify import verify
 
     built = build(tmp_path / "built", dtype="bfloat16", shards=3, shard_style="hf", seed=38)
     src = qwen38_release(built.path, tmp_path / "release")
@@ -876,38 +943,130 @@ def test_add_mtp_grafts_qwen38_27b_head_from_its_last_shard_by_byte_range(hub, t
     mtp_keys = {k for k in weight_map if k.startswith("mtp.")}
     assert len(mtp_keys) == 15 and {k for k, s in weight_map.items() if s == last} == mtp_keys | {"lm_head.weight"}
     assert {t.dtype for s in set(weight_map.values()) for t in read_header(src / s).tensors.values()} == {"BF16"}
-    hub.add_folder(QWEN38_TINY, src)
 
     options = ["--bits", "4", "--group-size", "64", "--keep-vision", "--no-smoke"]
-    folder, direct = tmp_path / "mlx-community-4bit", tmp_path / "direct"
-    made = runner.invoke(app, ["convert", str(src), str(folder), *options, "--mtp", "drop"])
-    assert made.exit_code == 0, made.output
-    before = verify(folder)
-    assert before.ok and before.mtp_layers_config == 0 and before.mtp_layers_found == 0
-    assert not (folder / MTP_FILE).exists()
-    shards_before = {n: d for n, d in tree_digest(folder).items() if n.endswith(".safetensors")}
-    assert any(n.startswith("model-") for n in shards_before)
-
-    result = runner.invoke(app, ["add-mtp", QWEN38_TINY, str(folder), "--min-acceptance", "0",
-                                 "--min-mlp-gain", "-1"])
-    assert result.exit_code == 0, result.output
-    assert "identical to plain greedy" in result.output
-
-    report = verify(folder)
-    assert report.ok and report.mtp_complete and report.mtp_layers_config == report.mtp_layers_found == 1
-    # the head equals the one `convert` writes from the same source with the same options
-    made = runner.invoke(app, ["convert", str(src), str(direct), *options])
-    assert made.exit_code == 0, made.output
-    grafted = tensor_bytes(folder / MTP_FILE)
-    assert set(grafted) == mtp_keys and grafted == tensor_bytes(direct / MTP_FILE)
-    # the backbone's shards are the bytes they were; the sidecar is the only new file
-    after = tree_digest(folder)
-    assert {n: d for n, d in after.items() if n in shards_before} == shards_before
-    assert {n for n in after if n.endswith(".safetensors")} == set(shards_before) | {MTP_FILE}
-    # from the Hub: each shard's header, and in the last shard the 15 mtp.* ranges (lm_head beside them is not read)
-    for shard in sorted(set(weight_map.values())):
-        header = read_header(src / shard)
-        want = [(0, header.data_start)] + [(t.start, t.end) for k, t in header.tensors.items() if k.startswith("mtp.")]
-        assert fetched_ranges(hub, QWEN38_TINY, shard) == merged(want), shard
-    lm_head = read_header(src / last).tensors["lm_head.weight"]
+    grafted = graft_onto_headless(hub, QWEN38_TINY, src, src, tmp_path, options)
+    assert set(grafted) == mtp_keys
+    lm_head = read_header(src / last).tensors["lm_head.weight"]  # beside the head in its shard: not read
     assert not any(a < lm_head.end and lm_head.start < b for a, b in fetched_ranges(hub, QWEN38_TINY, last))
+
+
+# ------------------------------------------------------------ Qwen's block-FP8 releases (issue #27): one file per layer
+
+FP8_MOE = "Qwen/Qwen3.6-Tiny-MoE-FP8"
+FP8_ARGS = ["--bits", "4", "--group-size", "32", "--no-smoke"]
+
+
+def fp8_release(raw_checkpoints, tmp_path, layout: str) -> Path:
+    """``layout``'s raw checkpoint in Qwen's FP8 release layout (tests/fp8.py): F8_E4M3 weights, each with its BF16
+    weight_scale_inv, experts one by one (the head's too, and the head in FP8 but mtp.fc); layers-{i}.safetensors,
+    mtp.safetensors, outside.safetensors and the index."""
+    import fp8
+
+    return fp8.fp8_twin(raw_checkpoints(layout), tmp_path / f"{layout}-fp8")
+
+
+def scale_keys(folder: Path) -> dict:
+    """file -> the weight_scale_inv keys it holds."""
+    from mtpconvert.io.header import read_header
+
+    return {p.name: {k for k in read_header(p).tensors if k.endswith(".weight_scale_inv")}
+            for p in sorted(folder.glob("*.safetensors"))}
+
+
+def test_stream_of_an_fp8_release_fetches_weights_and_scales_once_within_the_window(hub, tmp_path, monkeypatch,
+                                                                                     raw_checkpoints):
+    """--stream --raw-window on Qwen's FP8 layout (a MoE: four layers-i files, mtp, outside): no file is downloaded
+    whole; each block's F8_E4M3 rows arrive with the scale rows that dequantize them, so the requests are, file by
+    file, exactly each header and the bytes the plan reads (every tensor but the vision tower's: weights AND
+    scales), none twice; the stream runs at most a window of half a layer's file ahead, and raw data on disk
+    follows what it holds, under half what it reads. The output is byte for byte a plain pull's, and so is --stream
+    by whole files, which fetches each file once."""
+    from mtpconvert.io.header import read_header
+
+    src = fp8_release(raw_checkpoints, tmp_path, "moe-published35")
+    hub.add_folder(FP8_MOE, src)
+    headers = {p.name: read_header(p) for p in sorted(src.glob("*.safetensors"))}
+    layers = [n for n in headers if n.startswith("layers-")]
+    assert len(layers) == 4 and set(headers) == {*layers, "mtp.safetensors", "outside.safetensors"}
+    scales = scale_keys(src)
+    assert all(scales[n] for n in [*layers, "mtp.safetensors"]) and not scales["outside.safetensors"]
+    window = min((src / n).stat().st_size for n in layers) // 2  # half a layer's file
+
+    out = tmp_path / "ranged"
+    run = pull_by_ranges(hub, monkeypatch, FP8_MOE, out, window, FP8_ARGS)
+    names = [r.path.rsplit("/", 1)[-1] for r in run.gets]
+    spans = run.spans()
+    # the stubs first: each file's length prefix, then its header; then the data, in requests that never overlap
+    stubs = 2 * len(headers)
+    assert sorted(zip(names[:stubs], spans[:stubs])) == sorted(
+        (n, r) for n, h in headers.items() for r in ((0, 7), (8, h.data_start - 1)))
+    data: dict = {}
+    for name, (a, b) in zip(names[stubs:], spans[stubs:]):
+        data.setdefault(name, []).append((a, b + 1))
+    assert sum(b - a for spans_ in data.values() for a, b in spans_) == run.feed.fetched_bytes == sum(
+        b - a for spans_ in data.values() for a, b in merged(spans_))  # no byte twice
+    for name, header in headers.items():
+        want = merged([(t.start, t.end) for k, t in header.tensors.items() if not k.startswith("model.visual.")])
+        assert merged(data.get(name, [])) == want, name  # weights and scales, nothing else
+        for key in scales[name]:  # (said once more for the scales: each inside what was fetched)
+            t = header.tensors[key]
+            assert any(a <= t.start and t.end <= b for a, b in want), key
+    assert run.feed.requests == len(spans) - stubs
+    # the window binds: the stream runs at most the window ahead of the conversion, and holds at once (the blocks in
+    # flight included: the embedding and lm_head alone are 1.4 layer files here) under half of what it reads, less
+    # than the largest file; disk follows what it holds (the stubs' header blocks aside): freed ranges are punched
+    read = sum(b - a for spans_ in data.values() for a, b in spans_)
+    assert window / 2 < run.ahead <= window and run.feed.peak_bytes < read / 2 < max(
+        (src / n).stat().st_size for n in headers), (run.ahead, run.feed.peak_bytes, read)
+    stub_blocks = sum(-(-h.data_start // 4096) * 4096 for h in headers.values())
+    assert run.feed.punched and max(run.usage) <= run.feed.peak_bytes + stub_blocks + 8 * 4096, max(run.usage)
+
+    whole, plain, first = tmp_path / "whole", tmp_path / "plain", len(hub.log)
+    result = runner.invoke(app, ["pull-and-quantize", FP8_MOE, str(whole), "--stream", *FP8_ARGS])
+    assert result.exit_code == 0, result.output
+    gets = [r for r in hub.log[first:] if r.method == "GET" and r.path.endswith(".safetensors")]
+    assert sorted(r.path.rsplit("/", 1)[-1] for r in gets if not r.range) == sorted(headers)  # each file once
+    assert len([r for r in gets if r.range]) == stubs  # and only its stub's header by range
+    assert runner.invoke(app, ["pull-and-quantize", FP8_MOE, str(plain), *FP8_ARGS]).exit_code == 0
+    assert shard_digests(out) == shard_digests(whole) == shard_digests(plain) and shard_digests(plain)
+
+
+FP8_TINY = "Qwen/Qwen3.6-Tiny-FP8"
+
+
+@pytest.mark.parametrize("layout, backbone", [("dense-vlm", "bf16"), ("moe-published35", "fp8")],
+                         ids=["dense-onto-bf16-conversion", "moe-onto-fp8-conversion"])
+def test_add_mtp_grafts_the_head_of_an_fp8_release_from_its_mtp_file(hub, tmp_path, raw_checkpoints, layout,
+                                                                     backbone):
+    """add-mtp from Qwen's FP8 layout onto a head-less 4-bit folder (converted from the BF16 release, or from the FP8
+    one with --mtp drop): the release's root mtp.safetensors is a raw shard of the release, not a converted sidecar.
+    From it add-mtp reads by range the head's F8_E4M3 weights, their scales and the BF16 mtp.fc and norms; of every
+    other file only the header. The head it writes is the one a direct `convert` of the release writes (the FP8
+    weights dequantized with their scales), the backbone's shards are untouched, and the folder verifies."""
+    from mtpconvert.io.checkpoint import MTP_FILE
+    from mtpconvert.io.header import read_header
+
+    src = fp8_release(raw_checkpoints, tmp_path, layout)
+    raw_head = read_header(src / MTP_FILE).tensors
+    assert scale_keys(src)[MTP_FILE] and raw_head["mtp.fc.weight"].dtype == "BF16"
+    base = src if backbone == "fp8" else raw_checkpoints(layout).path
+    options = ["--bits", "4", "--group-size", "64", "--dtype", "bfloat16", "--no-smoke"]
+    grafted = graft_onto_headless(hub, FP8_TINY, src, base, tmp_path, options)
+    assert not any(k.endswith("_scale_inv") for k in grafted)  # dequantized: no scale reaches the MLX head
+
+
+def test_a_skipped_fp8_mtp_file_left_in_the_cache_is_not_read(hub, tmp_path, raw_checkpoints):
+    """--mtp drop skips an FP8 release's mtp.safetensors, which holds only mtp.*; a copy an earlier pull left in the
+    cache snapshot is a raw shard of the release, not a converted sidecar: it is not read (its entries are the
+    index's absent ones), as for any skipped shard (docs/hub.md step 4)."""
+    from mtpconvert.hub import pull
+    from mtpconvert.io.checkpoint import MTP_FILE, open_checkpoint
+
+    hub.add_folder(FP8_MOE, fp8_release(raw_checkpoints, tmp_path, "moe-published35"))
+    pull.download(pull.plan_pull(FP8_MOE))  # an earlier pull kept the head
+    pulled = pull.plan_pull(FP8_MOE, keep_mtp=False)
+    assert pulled.skipped_shards == [MTP_FILE]
+    ckpt = open_checkpoint(pull.download(pulled), absent=pulled.skipped_shards)
+    assert MTP_FILE not in ckpt.shards and not any(k.startswith("mtp.") for k in ckpt.tensors)
+    assert set(ckpt.absent.values()) == {MTP_FILE} and all(k.startswith("mtp.") for k in ckpt.absent)

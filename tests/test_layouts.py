@@ -3,7 +3,9 @@
 import re
 from pathlib import Path
 
+import fp8
 import layouts
+import numpy as np
 
 import pytest
 
@@ -18,20 +20,29 @@ MODELS = layouts.models()
 
 
 def test_the_vendored_tables_are_all_there():
-    assert len(MODELS) >= 12  # Qwen3.5 0.8B-397B, Qwen3.6 27B/35B, Qwen3.8-27B, Qwen3-Next: a fresh clone has them all
-    assert "Qwen3.8-27B" in MODELS
+    assert len(MODELS) >= 15  # Qwen3.5 0.8B-397B, Qwen3.6 27B/35B, Qwen3.8-27B, the FP8 releases, Qwen3-Next
+    assert {"Qwen3.8-27B", *FP8_TWINS} <= set(MODELS)
 
 
 def table_checkpoint(name: str) -> Checkpoint:
-    folder = layouts.LAYOUTS / name
+    """A release's published layout as a checkpoint (headers only); a release with no vendored table whose numbers
+    are derived from another's (``DERIVED_FP8``) is that table stored the block-FP8 way (``fp8_rows``)."""
+    if name in DERIVED_FP8:
+        bf16 = DERIVED_FP8[name]
+        config = dict(layouts.config(bf16), quantization_config=fp8.quantization_config([]))
+        return rows_checkpoint(layouts.LAYOUTS / bf16, fp8_rows(bf16), config)
+    return rows_checkpoint(layouts.LAYOUTS / name, layouts.rows(name), layouts.config(name))
+
+
+def rows_checkpoint(folder: Path, rows, config: dict) -> Checkpoint:
     tensors = {}
     shards = []
-    for key, shape, dtype, shard in layouts.rows(name):
+    for key, shape, dtype, shard in rows:
         shard = shard if shard.endswith(".safetensors") else "unknown.safetensors"
         if shard not in shards:
             shards.append(shard)
         tensors[key] = TensorInfo(key, dtype, shape, Path(folder / shard), 0, 0)
-    return Checkpoint(root=folder, config=layouts.config(name), shards=sorted(shards), headers={}, tensors=tensors)
+    return Checkpoint(root=folder, config=config, shards=sorted(shards), headers={}, tensors=tensors)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -42,8 +53,8 @@ def test_published_layout_plans_cleanly(name):
             build_plan(ckpt)
         return
     plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4)))
-    # every text tensor is consumed; only the vision tower is dropped
-    used = {s.key for it in plan.items for s in it.sources}
+    # every text tensor is consumed (an FP8 weight's block scale with it); only the vision tower is dropped
+    used = {r.key for it in plan.items for s in it.sources for r in (s, s.scale) if r is not None}
     dropped = {k for k, _ in plan.dropped}
     assert used | dropped == set(ckpt.tensors)
     assert all(k.startswith("model.visual.") for k in dropped)
@@ -164,3 +175,126 @@ def test_qwen38_27b_without_the_head_is_the_mlx_community_4bit_layout():
     assert len(keys) == 2180 and sum(k.startswith("vision_tower.") for k in keys) == 333
     assert not any(k.startswith("mtp.") for k in keys) and plan.mtp_layers == 0
     assert plan.shards == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+
+
+# ---------------------------------------------------- Qwen's block-FP8 releases (issue #27): one file per layer
+
+FP8_TWINS = {"Qwen3.6-27B-FP8": "Qwen3.6-27B", "Qwen3.8-27B-FP8": "Qwen3.8-27B",
+             "Qwen3.6-35B-A3B-FP8": "Qwen3.6-35B-A3B"}  # the BF16 release of each
+# published FP8 releases with no vendored table (the recipes size them): the BF16 table, stored as fp8_rows says
+DERIVED_FP8 = {"Qwen3.5-397B-A17B-FP8": "Qwen3.5-397B-A17B"}
+F8 = "F8_E4M3"
+
+
+def fp8_rows(name: str):
+    """The rows of BF16 release ``name`` as Qwen's block-FP8 releases store them (the rule tests/fp8.py writes twins
+    by): experts one by one; F8_E4M3 with a BF16 weight_scale_inv per 128x128 block where ``fp8.is_fp8_linear``;
+    everything else as stored. The shard column is "?": an FP8 release's files are not derived."""
+    for key, shape, dtype, _ in layouts.rows(name):
+        views = fp8.split_fused_experts({key: np.broadcast_to(np.float32(0), shape)})  # shapes only: no memory
+        for k, v in sorted(views.items()):
+            if fp8.is_fp8_linear(k):
+                yield from ((k, v.shape, F8, "?"), (k + "_scale_inv", fp8.grid(v.shape), "BF16", "?"))
+            else:
+                yield k, v.shape, dtype, "?"
+
+
+@pytest.mark.parametrize("name", sorted(FP8_TWINS))
+def test_the_fp8_storage_rule_makes_each_fp8_table_from_its_bf16_table(name):
+    """Key for key, shape and dtype: so a release whose table is not vendored (DERIVED_FP8) is sized and planned from
+    its BF16 table by a rule the published FP8 releases follow (Qwen3.6-27B-FP8 reproduces every published file size)."""
+    assert sorted((k, tuple(s), d) for k, s, d, _ in fp8_rows(FP8_TWINS[name])) == sorted(
+        (k, s, d) for k, s, d, _ in layouts.rows(name))
+
+
+def outputs(plan) -> list:
+    return sorted((o.key, o.dtype, tuple(o.shape)) for it in plan.items for o in it.outputs())
+
+
+@pytest.mark.parametrize("name, tensors, data_bytes, head_tensors", [
+    ("Qwen3.6-27B-FP8", 1606, 30_866_663_264, 22),
+    ("Qwen3.8-27B-FP8", 1606, 30_866_663_264, 22),
+    ("Qwen3.6-35B-A3B-FP8", 64196, 37_454_789_472, 1560),
+])
+def test_fp8_table_is_the_published_release(name, tensors, data_bytes, head_tensors):
+    """layers-{i}.safetensors per decoder layer, mtp.safetensors (every mtp.* and nothing else), outside.safetensors;
+    the published tensor count; the table's data bytes (27B: every published file size follows from them); every
+    F8_E4M3 weight beside its BF16 weight_scale_inv in its file."""
+    import math
+
+    ckpt = table_checkpoint(name)
+    text = ckpt.config["text_config"]
+    assert ckpt.config["quantization_config"]["quant_method"] == "fp8"
+    assert ckpt.shards == sorted([f"layers-{i}.safetensors" for i in range(text["num_hidden_layers"])]
+                                 + ["mtp.safetensors", "outside.safetensors"])
+    size = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+    assert len(ckpt.tensors) == tensors
+    assert sum(math.prod(t.shape) * size[t.dtype] for t in ckpt.tensors.values()) == data_bytes
+    head = {k for k in ckpt.tensors if k.startswith("mtp.")}
+    assert {k for k, t in ckpt.tensors.items() if t.file.name == "mtp.safetensors"} == head and len(head) == head_tensors
+    f8 = {k for k, t in ckpt.tensors.items() if t.dtype == F8}
+    scales = {k for k in ckpt.tensors if k.endswith(".weight_scale_inv")}
+    assert f8 and scales == {k + "_scale_inv" for k in f8}
+    assert all(ckpt.tensors[k + "_scale_inv"].dtype == "BF16" and ckpt.tensors[k + "_scale_inv"].file
+               == ckpt.tensors[k].file for k in f8)
+    assert ckpt.tensors["mtp.fc.weight"].dtype == "BF16"
+
+
+QUANTS = {"bits4": dict(bits=4), "match": dict(bits=4, mtp="match"), "float": dict()}
+
+
+@pytest.mark.parametrize("name, quant", [(n, q) for n in sorted(FP8_TWINS) for q in QUANTS]
+                         + [(n, "match") for n in sorted(DERIVED_FP8)])  # 397B: its recipe's options (6 s a plan)
+def test_fp8_release_plans_like_its_bf16_release(name, quant):
+    """Every F8_E4M3 tensor is read by exactly one item, through a dequant step that comes first, with its own scale
+    (name, file, 128-block grid); no other item dequantizes; mtp.fc is read BF16 as stored. What comes out is the
+    BF16 release's plan: the same output tensors (keys, dtypes, shapes), config and head."""
+    from mtpconvert.plan.items import SourceRef
+    from mtpconvert.plan.steps import DequantFP8
+
+    ckpt = table_checkpoint(name)
+    options = ConvertOptions(quant=QuantOptions(**QUANTS[quant]))
+    plan, bf16 = build_plan(ckpt, options), build_plan(table_checkpoint({**FP8_TWINS, **DERIVED_FP8}[name]), options)
+    read = []
+    for it in plan.items:
+        f8 = [s for s in it.sources if s.dtype == F8]
+        dequant = [s for s in it.steps if isinstance(s, DequantFP8)]
+        assert (dequant == [DequantFP8(128)] and it.steps[0] == dequant[0]) if f8 else not dequant, it.name
+        assert len(f8) in (0, len(it.sources)), it.name  # an item reads FP8 or float sources, never both
+        for s in it.sources:
+            grid = tuple(-(-d // 128) for d in s.shape)
+            want = SourceRef(s.key + "_scale_inv", s.file, grid, "BF16") if s.dtype == F8 else None
+            assert s.scale == want and (want is None or s.file == ckpt.tensors[s.key].file.name), s.key
+        read += [s.key for s in f8]
+    assert sorted(read) == sorted(k for k, t in ckpt.tensors.items() if t.dtype == F8)
+    fc = next(it for it in plan.items if it.name == "mtp.fc.weight")
+    raw_fc = ckpt.tensors["mtp.fc.weight"]
+    assert fc.sources == (SourceRef("mtp.fc.weight", raw_fc.file.name, raw_fc.shape, "BF16"),)
+    assert fc.quant is None and not any(isinstance(s, DequantFP8) for s in fc.steps)
+    head_files = {t.file.name for k, t in ckpt.tensors.items() if k.startswith("mtp.")}  # mtp.safetensors
+    assert {r.file for it in plan.head_items for s in it.sources for r in (s, s.scale) if r} == head_files
+    assert sum(len(it.outputs()) for it in plan.items) == sum(len(it.outputs()) for it in bf16.items)
+    assert outputs(plan) == outputs(bf16) and plan.config == bf16.config and plan.mtp_layers == bf16.mtp_layers == 1
+
+
+def test_fp8_35b_a3b_stacks_its_experts_one_fp8_expert_at_a_time():
+    """Qwen3.6-35B-A3B-FP8 stores every routed expert by itself (the BF16 release fuses them), the head's 256 too:
+    each stacked projection reads expert e's F8_E4M3 weight and its own scale at row e, from the layer's file."""
+    from mtpconvert.families.base import Gather
+
+    ckpt = table_checkpoint("Qwen3.6-35B-A3B-FP8")
+    plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4)))
+    items = {it.name: it for it in plan.items}
+    for out, raw, file in (("mtp.layers.0.mlp", "mtp.layers.0.mlp", "mtp.safetensors"),
+                           ("language_model.model.layers.39.mlp", "model.language_model.layers.39.mlp",
+                            "layers-39.safetensors")):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            it = items[f"{out}.switch_mlp.{proj}.weight"]
+            keys = [f"{raw}.experts.{e}.{proj}.weight" for e in range(256)]
+            assert it.gather is Gather.STACK and [s.key for s in it.sources] == keys, it.name
+            assert [s.scale.key for s in it.sources] == [k + "_scale_inv" for k in keys]
+            assert {(s.dtype, s.file, s.scale.file) for s in it.sources} == {(F8, file, file)}
+            assert it.slot.shape == (256, *ckpt.tensors[keys[0]].shape)
+            assert (it.quant is None) == out.startswith("mtp."), it.name  # --mtp keep: the head stays float
+    head = {r.key for it in plan.head_items for s in it.sources for r in (s, s.scale) if r}
+    assert head == {k for k in ckpt.tensors if k.startswith("mtp.")} and len(head) == 1560

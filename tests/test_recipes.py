@@ -8,6 +8,8 @@ import subprocess
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
+
 import yaml
 
 import layouts
@@ -19,8 +21,10 @@ from mtpconvert.cli import app
 from mtpconvert.errors import OptionsError
 from mtpconvert.plan import build_plan
 from mtpconvert.io.checkpoint import MTP_FILE
-from mtpconvert.recipes import RELEASES, RUNNERS, VOCAB, list_recipes, load_recipe, runner_labels, workflow_matrix
-from test_layouts import table_checkpoint
+from mtpconvert.io.header import dtype_itemsize
+from mtpconvert.recipes import (RELEASES, RUNNERS, SHARD_SIZE_HEADROOM_GB, VOCAB, list_recipes, load_recipe, runner_labels,
+                                workflow_matrix)
+from test_layouts import DERIVED_FP8, FP8_TWINS, table_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -89,7 +93,8 @@ def test_recipe_list_outside_the_checkout_lists_the_bundled_recipes(tmp_path, mo
     monkeypatch.chdir(tmp_path)  # no recipes/ here
     result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert result.output.count("Qwen/Qwen3.5-397B-A17B") == 4 and "Qwen3.6-27B-4bit-bf16.toml" in result.output
+    assert result.output.count("Qwen/Qwen3.5-397B-A17B ") == 4 and "Qwen3.6-27B-4bit-bf16.toml" in result.output
+    assert result.output.count("Qwen/Qwen3.5-397B-A17B-FP8 ") == 1
 
 
 @pytest.mark.parametrize("make", ["missing", "empty"])
@@ -118,8 +123,9 @@ def test_find_recipe_by_bundled_name_or_path(tmp_path, monkeypatch):
         find_recipe("Qwen9-1B")
 
 
-def smallest_runner(r) -> str:
-    return next(n for n in RUNNERS if r.fits(n))
+def smallest_runner(r) -> Optional[str]:
+    """The smallest runner size ``r`` fits, None where none does (or its raw data cannot be sized)."""
+    return next((n for n in RUNNERS if r.fits(n)), None)
 
 
 def test_every_recipe_runs_on_the_smallest_runner_with_the_disk_and_memory_it_needs():
@@ -164,28 +170,71 @@ def test_the_docs_state_each_recipes_computed_disk_and_memory():
 SOURCE_MD = (layouts.LAYOUTS / "SOURCE.md").read_text()
 
 
+def file_bytes(ckpt) -> Counter:
+    """Data bytes of each file of a table checkpoint (its headers hold no offsets)."""
+    files = Counter()
+    for t in ckpt.tensors.values():
+        files[t.file.name] += math.prod(t.shape) * dtype_itemsize(t.dtype)
+    return files
+
+
 @pytest.mark.parametrize("name", sorted(RELEASES))
 def test_release_numbers_are_the_vendored_layouts(name):
-    """Every Release field, recomputed from the published config, tensor table and shard count (SOURCE.md)."""
-    release, config = RELEASES[name], layouts.config(name)
-    text = config.get("text_config", config)
-    rows = list(layouts.rows(name))
+    """Every Release field, recomputed from the published config, tensor table and shard count (SOURCE.md). Parameters
+    leave block-FP8 scales aside; an FP8 release's raw data is its table's bytes, its two largest files those of its
+    per-layer files; an FP8 release with no table of its own (DERIVED_FP8: 397B-A17B) is its BF16 table stored the
+    FP8 way, whose files are not known."""
+    release, ckpt = RELEASES[name], table_checkpoint(name)
+    text = ckpt.config.get("text_config", ckpt.config)
+    params = {k: math.prod(t.shape) for k, t in ckpt.tensors.items() if not k.endswith(".weight_scale_inv")}
     layers = Counter()
-    for key, shape, _, _ in rows:
+    for key, n in params.items():
         m = re.match(r"model\.language_model\.layers\.(\d+)\.", key)
         if m:
-            layers[m.group(1)] += math.prod(shape)
-    plan = build_plan(table_checkpoint(name))
+            layers[m.group(1)] += n
+    plan = build_plan(ckpt)
     largest = max(math.prod(it.slot.shape) for it in plan.items)  # output tensors: fused raw experts are split
-    assert release.raw_shards == int(re.search(rf"^\| {re.escape(name)} \|.*\| (\d+): ", SOURCE_MD, re.M).group(1))
+    shards = re.search(rf"^\| {re.escape(name)} \|.*\| (\d+): ", SOURCE_MD, re.M)
+    assert release.raw_shards == (None if name in DERIVED_FP8 else int(shards.group(1)))
     assert release.hidden == text["hidden_size"] and text["vocab_size"] == VOCAB
-    assert release.head_gb == round(sum(math.prod(s) for k, s, _, _ in rows if k.startswith("mtp.")) * 2 / 1e9, 2)
+    assert release.head_gb == round(sum(n for k, n in params.items() if k.startswith("mtp.")) * 2 / 1e9, 2)
     assert release.layer_b == round(max(layers.values()) / 1e9, 2)
     assert release.moe == ("num_experts" in text)
     # one layer's stacked routed experts projection, or lm_head / the embedding where that is larger (35B-A3B)
     experts = text.get("num_experts", 0) * text.get("moe_intermediate_size", 0) * text["hidden_size"]
     assert release.tensor_b == round(largest / 1e9, 2) == round(max(experts, VOCAB * text["hidden_size"]) / 1e9, 2)
-    assert release.fc_b * 1e9 == math.prod(next(s for k, s, _, _ in rows if k == "mtp.fc.weight"))
+    assert release.fc_b * 1e9 == params["mtp.fc.weight"]
+    files = file_bytes(ckpt)
+    fp8 = any(t.dtype == "F8_E4M3" for t in ckpt.tensors.values())
+    assert release.raw_gb == (round(sum(files.values()) / 1e9, 2) if fp8 else None)  # else 2 bytes a parameter
+    known = fp8 and "unknown.safetensors" not in files  # BF16 tables' shard columns are partly reconstructed
+    assert release.largest_raw_gb == (tuple(math.ceil(b / 1e7) / 100 for _, b in files.most_common(2)) if known else ())
+
+
+def test_fp8_releases_are_half_the_download_and_size_what_the_stream_holds(tmp_path):
+    """A block-FP8 release's raw data is about half its BF16 release's; whole raw files are counted at their real size
+    (the largest, then the next largest for each one ahead), without the headroom a mean needs; one whose files are
+    not known can only be fetched by range."""
+    def recipe(release: str):
+        f = tmp_path / f"{release}.toml"
+        f.write_text(f'repo = "Qwen/{release}"\nbits = 4\n')
+        return load_recipe(f)
+
+    for fp8, bf16 in (*FP8_TWINS.items(), *DERIVED_FP8.items()):
+        r, twin = recipe(fp8), recipe(bf16)
+        assert 0.5 < r.raw_release_gb * 1e9 / sum(file_bytes(table_checkpoint(bf16)).values()) < 0.56, fp8
+        assert (r.head_gb, r.memory_needed_gb(), r.output_shard_gb) == (twin.head_gb, twin.memory_needed_gb(),
+                                                                         twin.output_shard_gb)  # same output
+        if fp8 in DERIVED_FP8:
+            assert r.raw_gb == math.inf and not r.fits("2xlarge")
+            assert replace(r, raw_window_gb=1, mtp="match").fits("standard")  # its recipe
+            continue
+        first, second = r.release.largest_raw_gb
+        assert r.raw_gb == pytest.approx(first + second) and replace(r, prefetch_shards=3).raw_gb == pytest.approx(
+            first + 3 * second)
+        mean = r.raw_release_gb / r.release.raw_shards
+        assert first > mean + SHARD_SIZE_HEADROOM_GB  # outside.safetensors: the mean and its headroom would hide it
+        assert not r.shards_at_the_mean and r.fits("standard") == (r.disk_needed_gb() <= RUNNERS["standard"].disk_gb)
 
 
 def test_recipe_sizes_are_the_converters_plan():

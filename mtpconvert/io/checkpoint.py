@@ -168,7 +168,9 @@ def open_checkpoint(root: Path, absent: Collection[str] = ()) -> Checkpoint:
     absent = frozenset(absent) if index is not None else frozenset()  # without an index every file present is read
     shards = list_shards(root, index, absent)
     unindexed = []
-    if index is not None and (sidecar := head_sidecar(root, config, shards)):
+    # every file the index names is a source shard, skipped ones included: a raw FP8 release's own
+    # mtp.safetensors left in a cache by an earlier pull is not a converted folder's sidecar
+    if index is not None and (sidecar := head_sidecar(root, config, sorted(set(index["weight_map"].values())))):
         unindexed = [sidecar]
 
     headers: Dict[str, Header] = {}
