@@ -57,8 +57,8 @@ def test_no_read_exceeds_a_block(raw_checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(TensorReader, "view_rows", spy)
     real_direct = pipeline.direct_read
 
-    def spy_direct(block, ckpt):  # the reader threads' plain reads (MLX's blocks, gathered in place)
-        read = real_direct(block, ckpt)
+    def spy_direct(block, ckpt, **kwargs):  # the reader threads' plain reads (MLX's blocks, gathered in place)
+        read = real_direct(block, ckpt, **kwargs)
         if read is not None:
             row_bytes = lambda info: info.nbytes // (info.shape[0] if info.shape else 1)  # noqa: E731
             if block.item.gather is Gather.STACK:  # whole experts, as reader.read would

@@ -7,11 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from ...families import FAMILIES
 from ...io.checkpoint import MTP_FILE
 from ...io.header import Header, TensorInfo, read_header
+from ...plan.head import SIDECAR_PREFIX
 
-HEAD_PREFIXES = ("mtp.", "language_model.mtp.")
-IN_MODEL_PREFIX = "language_model.mtp."
+# a head inside the model shards is named by its family's head prefix (language_model.mtp. for Qwen3.5)
+IN_MODEL_PREFIXES = tuple(dict.fromkeys(family.head_prefix for family in FAMILIES))
+HEAD_PREFIXES = (SIDECAR_PREFIX, *IN_MODEL_PREFIXES)
 
 
 @dataclass
@@ -41,11 +44,13 @@ def locate_mtp(path: Path, headers: Optional[Sequence[Header]] = None) -> Option
             if found:
                 return HeadTensors("sidecar", prefix, found)
     headers = headers if headers is not None else [read_header(Path(f)) for f in shard_files(path)]
-    found = {}
-    for header in headers:
-        found.update({k[len(IN_MODEL_PREFIX):]: t for k, t in header.tensors.items()
-                      if k.startswith(IN_MODEL_PREFIX)})
-    return HeadTensors("in-model", IN_MODEL_PREFIX, found) if found else None
+    for prefix in IN_MODEL_PREFIXES:
+        found = {}
+        for header in headers:
+            found.update({k[len(prefix):]: t for k, t in header.tensors.items() if k.startswith(prefix)})
+        if found:
+            return HeadTensors("in-model", prefix, found)
+    return None
 
 
 def shard_files(path: Path) -> List[str]:
