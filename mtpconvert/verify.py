@@ -108,12 +108,16 @@ def verify(path: Path, deep: bool = False) -> Report:
 
 
 def _add_runtime_table(path: Path, report: Report) -> None:
-    """Which MTP runtimes can use the folder (headers only); informational, never a finding."""
-    from .compat import runtime_table
+    """Which MTP runtimes can use the folder (headers only). Its verdicts are information; a file the
+    runtimes would read that cannot be read is a finding, never a table that silently goes missing."""
+    from .compat import check_folder
 
-    table = runtime_table(path)
-    if table is not None:
-        report.mtp_layout, report.runtimes = table.layout, table.runtimes
+    try:
+        table = check_folder(path)
+    except (OSError, ValueError) as e:
+        report.add("runtime-files", ERROR, f"the files MTP runtimes read cannot be read: {e}")
+        return
+    report.mtp_layout, report.runtimes = table.layout, table.runtimes
 
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")

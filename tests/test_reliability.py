@@ -389,3 +389,26 @@ def test_two_runs_give_byte_identical_output(raw_checkpoints, tmp_path):
         execute(build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4, group_size=32))), ckpt, tmp_path / name)
         outs.append(tree_digest(tmp_path / name))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("special, command, expected", [
+    ("mtp.safetensors", "smoke", "is a FIFO"),
+    ("mtp.safetensors", "verify", "is a FIFO"),
+    ("mtp/weights.safetensors", "verify", "runtime-files"),
+])
+def test_a_fifo_in_place_of_a_head_file_is_named_not_waited_on(tmp_path, special, command, expected):
+    """A FIFO where a head file belongs used to block smoke and verify forever (open() waits for a writer):
+    every header reader checks for a regular file first; verify turns an unreadable runtime file into a
+    finding instead of dropping the runtime table."""
+    from mtpconvert.fixture import DENSE
+
+    out = tmp_path / "out"
+    assert subprocess.run([sys.executable, "-m", "mtpconvert", "convert", str(DENSE), str(out), "--no-smoke"],
+                          capture_output=True).returncode == 0
+    (out / special).unlink()
+    os.mkfifo(out / special)
+    proc = subprocess.run([sys.executable, "-m", "mtpconvert", command, str(out)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, COLUMNS="400"))
+    assert proc.returncode != 0 and expected in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert str(out / special) in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -105,7 +105,8 @@ def report_table(report: Report, console: Console) -> None:
     console.print(table)
     for f in report.findings:
         style = "red" if f.severity == ERROR else "yellow" if f.severity == "warning" else "dim"
-        where = f" [{f.key}]" if f.key else ""
+        # file and key, as the JSON gives them: a finding names where to look
+        where = (f" [{f.key}]" if f.key else "") + (f" (file {f.file})" if f.file else "")
         console.print(f"[{style}]{f.severity.upper():7}[/{style}] {escape(f'{f.code}: {f.message}{where}')}",
                       highlight=False)
     verdict = "[green]OK[/green]: loadable and MTP-consistent" if report.ok else "[red]FAILED[/red]"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 from . import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
 from .folder import (DRAFTER_TYPE, MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, fp8_files, layout_of, planned_folder,
@@ -37,7 +37,7 @@ from .report import PRECISION, CompatReport, RuntimeCompat, Verdict, precision_w
 __all__ = ["CONTRACTS", "DRAFTER_TYPE", "MODEL_MTP", "PRECISION", "RUNTIMES", "SIDECAR", "SIDECAR_LINK",
            "CompatReport", "Contract", "Folder", "Head", "RuntimeCompat", "Verdict", "check_folder", "compat",
            "layout_of", "planned_folder", "precision_warnings", "read_folder", "read_header", "render",
-           "runtime_table", "why"]
+           "why"]
 
 Contract = Callable[[Folder, str], RuntimeCompat]  # (folder, its layout_of) -> that runtime's row
 
@@ -74,11 +74,3 @@ def compat(folder: Folder) -> CompatReport:
 
 def check_folder(path: Path) -> CompatReport:
     return compat(read_folder(path))
-
-
-def runtime_table(path: Path) -> Optional[CompatReport]:
-    """``check_folder``, or None where the folder cannot be read (verify reports why on its own)."""
-    try:
-        return check_folder(Path(path))
-    except (OSError, ValueError):
-        return None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..io.files import special_file
 from .report import Verdict
 
 MAX_HEADER = 100 * 1024 * 1024  # a safetensors header is JSON; refuse absurd lengths
@@ -44,6 +45,8 @@ class Folder:
 
 def read_header(path: Path) -> dict:
     """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
+    if kind := special_file(path):
+        raise ValueError(f"{path}: is {kind}, not a regular safetensors file")
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:

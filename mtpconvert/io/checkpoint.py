@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Collection, Dict, List, Optional
 
 from ..errors import ConfigError, LayoutError, SafetensorsError
+from .files import special_file
 from .header import Header, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -142,6 +143,8 @@ def head_sidecar(root: Path, config: dict, listed: List[str]) -> Optional[str]:
     extra = config.get("mlx_lm_extra_tensors")
     named = extra.get("mtp_file") if isinstance(extra, dict) else None
     name = named if isinstance(named, str) and named else MTP_FILE
+    if (root / name).exists() and (kind := special_file(root / name)):
+        raise LayoutError(f"the MTP file {name!r} is {kind}, not a regular safetensors file", file=root / name)
     if name in listed or not (root / name).is_file():
         if named and not (root / name).is_file():
             raise LayoutError(f"config.json names the MTP file {name!r} (mlx_lm_extra_tensors.mtp_file), "

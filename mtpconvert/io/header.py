@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import SafetensorsError
+from .files import special_file
 
 # Largest header we accept. Real checkpoints with ~80k tensors (Qwen3-Next) have
 # headers of a few MB; anything near this is hostile or broken.
@@ -97,6 +98,8 @@ def read_header(path: Path) -> Header:
     """Parse and validate the header of one safetensors file (no tensor data read)."""
     path = Path(path)
     try:
+        if kind := special_file(path):
+            raise SafetensorsError(f"is {kind}, not a regular safetensors file", file=path)
         size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(8)
