@@ -206,7 +206,7 @@ def build(
 
     # Re-express the backbone's experts in the requested layout and add the MTP head.
     if moe and experts != "per_expert":
-        raw = _refuse_experts(raw, experts)
+        raw = fused_experts(raw)
     if mtp_layers:
         mtp = to_raw(_random_mtp(config, seed + 7, mtp_layers), experts=experts, text_only=wrapper == "text")
         raw.update({k: np.array(v) for k, v in mtp.items()})
@@ -220,8 +220,9 @@ def build(
     return Built(folder, model, raw)
 
 
-def _refuse_experts(raw: Dict[str, np.ndarray], experts: str) -> Dict[str, np.ndarray]:
-    """Fuse the backbone's per-expert tensors (transformers writes per expert)."""
+def fused_experts(raw: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """The backbone's per-expert tensors fused into ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] (the
+    head's ``mtp.*`` stay as they are)."""
     import re
 
     pat = re.compile(r"^(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -279,11 +279,16 @@ def fp8_twin(
                 c[k] = "bfloat16"
     config["quantization_config"] = quantization_config(not_converted, config_shape)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    _copy_side_files(src, out)
+    return out
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    """Tokenizer, generation config and the other files beside the weights (not config, index or weights)."""
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
                 "config.json", "model.safetensors.index.json"):
             shutil.copy2(f, out / f.name)
-    return out
 
 
 def twin_tensors(folder: Path) -> Dict[str, torch.Tensor]:
@@ -336,10 +341,7 @@ def dequantized_twin(twin: Path, out: Path) -> Path:
     for c in (config, config.get("text_config", {})):
         c.pop("quantization_config", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for f in twin.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
-                "config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, out / f.name)
+    _copy_side_files(twin, out)
     return out
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import checkpoints
 import fp8
 
 NAN_CODES = (0x7F, 0xFF)
@@ -243,22 +244,6 @@ def aligned(tmp_path_factory):
 IDS = np.random.default_rng(5).integers(0, 512, size=(2, 32))
 
 
-def _expected_params(twin_weights):
-    """The twin's reference weights under transformers' parameter names (experts fused [E, 2I, H] / [E, H, I])."""
-    out, experts = {}, {}
-    for k, w in twin_weights.items():
-        m = re.match(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", k)
-        if m is None:
-            out[k] = w
-        else:
-            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = w
-    for mod, p in experts.items():
-        stack = {n: np.stack([e[i] for i in sorted(e)]) for n, e in p.items()}
-        out[f"{mod}.gate_up_proj"] = np.concatenate([stack["gate_proj"], stack["up_proj"]], axis=1)
-        out[f"{mod}.down_proj"] = stack["down_proj"]
-    return out
-
-
 def _corr(a, b):
     return float(np.corrcoef(a.ravel(), b.ravel())[0, 1])
 
@@ -273,7 +258,8 @@ def test_transformers_reads_the_aligned_twin_like_the_reference(aligned, kind, t
     assert all(s % 128 == 0 for k, w in ref.items() if fp8.is_fp8_linear(k) for s in w.shape)
     model = fp8.transformers_model(twin)
     params = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    expected = {k: v for k, v in _expected_params(ref).items() if not k.startswith("mtp.")}  # transformers drops mtp.*
+    # transformers' parameter names: experts fused; it drops mtp.*
+    expected = {k: v for k, v in checkpoints.fused_experts(ref).items() if not k.startswith("mtp.")}
     assert set(expected) <= set(params)
     for k, w in expected.items():
         assert np.array_equal(params[k], w), k  # bit-exact: transformers multiplies by the stored scale as we do

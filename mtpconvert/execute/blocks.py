@@ -81,12 +81,12 @@ def read_fp8(source: SourceRef, ckpt: Checkpoint, reader: TensorReader, start: i
              part: Optional[Tuple[int, int]] = None) -> mx.array:
     """Rows ``start:stop`` of a block-FP8 source, dequantized with the scale rows they need (float32)."""
     info, scale_info = ckpt.tensors[source.key], ckpt.tensors[source.scale.key]
-    first, last = scale_rows(info.shape, start, stop)
+    first, last, offset = scale_rows(info.shape, start, stop)
     scale = reader.read_rows(scale_info, first, last, part=part)
     if not mx.all(mx.isfinite(scale)).item():
         raise LayoutError("FP8 scale holds NaN or Inf", file=scale_info.file, key=scale_info.key)
     codes = reader.read_rows(info, start, stop, part=part)
-    return dequant_fp8(codes, scale, FP8_BLOCK, start - first * FP8_BLOCK if len(info.shape) == 2 else 0)
+    return dequant_fp8(codes, scale, FP8_BLOCK, offset)
 
 
 def read_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> mx.array:
@@ -152,7 +152,14 @@ def _scale_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[in
         return [(str(info.file), info.start, info.shape)
                 for info in (ckpt.tensors[s.scale.key] for s in item.sources[a:b])]
     source = item.sources[0]
-    return _rows_runs(ckpt.tensors[source.scale.key], item.gather, *scale_rows(source.shape, a, b))
+    return _rows_runs(ckpt.tensors[source.scale.key], item.gather, *scale_rows(source.shape, a, b)[:2])
+
+
+def _scale_offset(block: Block) -> int:
+    """How far the block's first row lies into its first scale row's rows (0 for a stack's whole experts)."""
+    if block.item.gather is Gather.STACK:
+        return 0
+    return scale_rows(block.item.sources[0].shape, block.start, block.stop)[2]
 
 
 def _rows_runs(info: TensorInfo, how: Gather, a: int, b: int) -> List[Tuple[str, int, Tuple[int, ...]]]:
@@ -195,10 +202,8 @@ def numpy_task(block: Block, ckpt: Checkpoint, reader: TensorReader) -> tuple:
             reader.ensure(ckpt.tensors[s.scale.key])
     runs = _source_runs(block, ckpt)
     if is_fp8(item):  # each run with its scale rows (one run per expert, or the block's rows of a matrix)
-        source = item.sources[0]
-        first = scale_rows(source.shape, block.start, block.stop)[0]
-        offset = block.start - first * FP8_BLOCK if len(source.shape) == 2 and item.gather is Gather.LOAD else 0
-        runs = [(*run, (*scale, source.scale.dtype, offset)) for run, scale in zip(runs, _scale_runs(block, ckpt))]
+        scale_dtype, offset = item.sources[0].scale.dtype, _scale_offset(block)
+        runs = [(*run, (*scale, scale_dtype, offset)) for run, scale in zip(runs, _scale_runs(block, ckpt))]
     return (runs, item.sources[0].dtype, item.dtype, q.bits, q.group_size)
 
 
@@ -276,8 +281,7 @@ def _direct_fp8(block: Block, ckpt: Checkpoint) -> Optional[DirectRead]:
     if plain is None:
         return None
     source = item.sources[0]
-    first = scale_rows(source.shape, block.start, block.stop)[0]
-    offset = block.start - first * FP8_BLOCK if len(source.shape) == 2 and item.gather is Gather.LOAD else 0
+    offset = _scale_offset(block)
     scale_infos = ([ckpt.tensors[s.scale.key] for s in item.sources[block.start:block.stop]]
                    if item.gather is Gather.STACK else [ckpt.tensors[source.scale.key]])
     itemsize = DTYPES[source.scale.dtype][2]

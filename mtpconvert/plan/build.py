@@ -36,7 +36,7 @@ def default_dtype(ckpt: Checkpoint) -> str:
 
 
 def _ref(ckpt: Checkpoint, key: str) -> SourceRef:
-    """A source tensor; an F8_E4M3 one with its block scales (paired and checked by ``fp8.pair_scales``)."""
+    """A source tensor; an F8_E4M3 one with its block scales (checked by ``fp8.check_scales``)."""
     t = ckpt.tensors[key]
     scale = _ref(ckpt, fp8.scale_key(key)) if t.dtype == fp8.FP8 else None
     return SourceRef(key, t.file.name, t.shape, t.dtype, scale)
@@ -153,7 +153,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     files = _source_files(ckpt)
     for key, file in files.items():
         fp8.refuse(key, file)
-    fp8.pair_scales(ckpt.tensors, files)
+    fp8.check_scales(ckpt.tensors, files)
     style = family.style_of(files)
     raw = family.norms_zero_centred(ckpt.tensors)
 

@@ -9,7 +9,7 @@ FP8 is decided from its own dtype and scale, never from the family or ``modules_
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 from ..errors import LayoutError
 
@@ -61,20 +61,21 @@ def scale_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     return (*shape[:-2], *(math.ceil(d / BLOCK) for d in shape[-2:]))
 
 
-def scale_rows(shape: Tuple[int, ...], start: int, stop: int) -> Tuple[int, int]:
-    """The scale rows that rows ``start:stop`` of an FP8 tensor's leading axis need: 128-row blocks of a
-    matrix, or the same expert rows of a stack."""
+def scale_rows(shape: Tuple[int, ...], start: int, stop: int) -> Tuple[int, int, int]:
+    """(first, last, offset): the scale rows ``first:last`` that rows ``start:stop`` of an FP8 tensor's
+    leading axis need, and how far ``start`` lies into the first one's rows: 128-row blocks of a matrix,
+    or the same expert rows (offset 0) of a stack."""
     if len(shape) == 2:
-        return start // BLOCK, math.ceil(stop / BLOCK)
-    return start, stop
+        first = start // BLOCK
+        return first, math.ceil(stop / BLOCK), start - first * BLOCK
+    return start, stop, 0
 
 
-def pair_scales(tensors: Mapping, file_of: Mapping) -> Dict[str, str]:
-    """weight key -> its scale key, for every FP8 tensor; raises the first of ``scale_problems``."""
+def check_scales(tensors: Mapping, file_of: Mapping) -> None:
+    """Raises the first of ``scale_problems``."""
     problems = scale_problems(tensors, file_of)
     if problems:
         raise problems[0]
-    return {key: scale_key(key) for key, info in tensors.items() if info.dtype == FP8}
 
 
 def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
