@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -218,6 +219,77 @@ def build(
     if tokenizer:
         write_tokenizer(folder, MarkovLanguage().words, VOCAB)
     return Built(folder, model, raw)
+
+
+NEXT = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+            intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+
+
+def build_next(folder: Path, *, mtp_layers: int = 1, shards: int = 2, dtype: str = "bfloat16", seed: int = 0,
+               rope: str = "published", **text) -> Built:
+    """A raw Qwen3-Next checkpoint in the published layout: flat ``model.*`` keys, per-expert experts, fused
+    ``in_proj_qkvz`` / ``in_proj_ba``, every ``mtp.*`` tensor in the last shard, and a config with no MTP count.
+
+    ``rope``: ``published`` (``rope_theta`` / ``partial_rotary_factor`` at the top level, as the release has
+    them) or ``transformers`` (only ``rope_parameters``, as transformers 5.x saves it).
+    """
+    from safetensors.numpy import load_file
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from mtpconvert.families.qwen3_next import FAMILY, model_spec as next_spec
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(**dict(NEXT, **text), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "partial_rotary_factor": 0.25})
+    model = Qwen3NextForCausalLM(cfg).eval()
+    _randomise(model, seed)
+    tmp = folder.parent / (folder.name + ".hfsave")
+    model.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    raw = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        raw.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
+    shutil.rmtree(tmp)
+    if rope == "published":
+        params = config.pop("rope_parameters")
+        config.update(rope_theta=params["rope_theta"], partial_rotary_factor=params["partial_rotary_factor"],
+                      rope_scaling=None)
+    config.pop("layer_types", None)  # the release has none (the interval decides)
+    head = {}
+    if mtp_layers:
+        rng = np.random.default_rng(seed + 7)
+        slots = FAMILY.expected_slots(next_spec(config), mtp_layers)
+        mlx_head = {}
+        for name, slot in slots.items():
+            if slot.group != "mtp":
+                continue
+            w = 1 + 0.1 * rng.standard_normal(slot.shape) if slot.kind == NORM else \
+                rng.standard_normal(slot.shape) / max(slot.shape[-1], 1) ** 0.5
+            mlx_head[name] = mx.array(w.astype(np.float32))
+        head = {k: np.array(v) for k, v in to_raw(mlx_head, text_only=True).items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    backbone = sorted(raw)
+    chunks = [backbone[i::max(shards - 1, 1)] for i in range(max(shards - 1, 1))]
+    if shards == 1:
+        chunks = [backbone + sorted(head)]
+    else:
+        chunks.append(sorted(head))
+    weight_map = {}
+    everything = dict(raw, **head)
+    for name, chunk in zip(names, chunks):
+        stored = {k: torch.from_numpy(np.ascontiguousarray(everything[k])).to(getattr(torch, dtype)) for k in chunk}
+        save_file(stored, str(folder / name), metadata={"format": "pt"})
+        everything.update({k: t.to(torch.float32).numpy() for k, t in stored.items()})  # the values as stored
+        weight_map.update({k: name for k in chunk})
+    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    write_tokenizer(folder, MarkovLanguage().words, VOCAB)
+    return Built(folder, model, everything)
 
 
 def fused_experts(raw: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:

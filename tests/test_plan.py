@@ -250,8 +250,8 @@ def test_option_errors(raw_checkpoints):
 def test_unsupported_model_type(tmp_path):
     from mtpconvert.families import model_spec
 
-    with pytest.raises(ConfigError, match="qwen3_next"):
-        model_spec({"model_type": "qwen3_next"})
+    with pytest.raises(ConfigError, match="glm4_moe_lite"):
+        model_spec({"model_type": "glm4_moe_lite"})
     with pytest.raises(ConfigError, match="unknown model_type"):
         model_spec({"model_type": "llama"})
 

@@ -28,7 +28,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Dict
 
-from . import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
+from . import mlx_lm, mlx_vlm, mtplx, pr990, qwen3_next, rapid_mlx, vllm_mlx
 from .folder import (DRAFTER_TYPE, MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, fp8_files, layout_of, planned_folder,
                      read_folder, read_header)
 from .head import Head
@@ -55,6 +55,18 @@ CONTRACTS: Dict[str, Contract] = {
 # ("mlx-lm<0.32", "mlx-lm>=0.32", "mlx-vlm", "mtplx", "rapid-mlx", "vllm-mlx", "mlx-lm-pr990")
 RUNTIMES = tuple(CONTRACTS)
 
+# family -> its own rows, where the runtimes read that family differently from Qwen3.5's contracts
+FAMILY_ROWS: Dict[str, Callable[[Folder, str], Dict[str, RuntimeCompat]]] = {"qwen3_next": qwen3_next.rows}
+
+
+def _family_name(config: dict) -> str:
+    from ..families import family_for
+
+    try:
+        return family_for(config).name
+    except Exception:  # noqa: BLE001 - a config no family takes is judged by the Qwen3.5 contracts
+        return ""
+
 
 def compat(folder: Folder) -> CompatReport:
     """Per-runtime compatibility of a folder, from its config and headers only.
@@ -62,7 +74,12 @@ def compat(folder: Folder) -> CompatReport:
     A block-FP8 release is a source to convert: no runtime here was run on one, so each row says
     so (``verified`` False) instead of applying rules measured on MLX folders to its file names."""
     layout = layout_of(folder)
-    rows = [CONTRACTS[r](folder, layout) for r in RUNTIMES]
+    family_rows = FAMILY_ROWS.get(_family_name(folder.config))
+    if family_rows is not None:
+        by_runtime = family_rows(folder, layout)
+        rows = [by_runtime[r] for r in RUNTIMES]
+    else:
+        rows = [CONTRACTS[r](folder, layout) for r in RUNTIMES]
     if files := fp8_files(folder):
         source = Verdict(False, f"block-FP8 source (F8_E4M3 weights with weight_scale_inv in {files[0]}"
                                 f"{f' and {len(files) - 1} more' if len(files) > 1 else ''}): convert it first "

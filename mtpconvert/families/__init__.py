@@ -11,13 +11,14 @@ from typing import Dict, Tuple
 from ..errors import ConfigError
 from .base import Family, config_model_type, text_config
 from .qwen3_5 import FAMILY as QWEN3_5
+from .qwen3_next import FAMILY as QWEN3_NEXT
 
-FAMILIES: Tuple[Family, ...] = (QWEN3_5,)
+FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT)
 
 # model types seen in releases with an MTP head that no family here converts yet
-UNSUPPORTED: Dict[str, str] = {
-    "qwen3_next": "Qwen3-Next uses fused in_proj_qkvz/in_proj_ba projections; only Qwen3.5/3.6 are supported",
-}
+_NEXTN = ("its MTP head is a DeepSeek-V3-style nextn layer (layer num_hidden_layers: enorm, hnorm, eh_proj, "
+          "shared_head), a head design no family here converts yet")
+UNSUPPORTED: Dict[str, str] = {t: _NEXTN for t in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v3")}
 
 
 def family_for(config: dict) -> Family:

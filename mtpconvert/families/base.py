@@ -147,6 +147,9 @@ class Family:
     source_name: Callable[[str, str], str]  # (MLX name, style) -> the key such a source would use
     is_zero_centred_norm: Callable[[str], bool]  # MLX name -> whether +1 applies to it on raw weights
     norms_zero_centred: Callable[[Mapping], bool]  # headers -> raw layout? (decided once per checkpoint)
+    text_prefix: str = ""  # MLX key prefix of the text model (``language_model.`` under a VLM wrapper)
+    default_style: str = RAW_VLM  # the style of a folder none of whose keys tells (raw and MLX names coincide)
+    loadable_config: Callable[[dict], dict] = lambda config: config  # output config -> what mlx-lm's loader needs
 
     def style_of(self, keys: Iterable[str]) -> str:
         """The one key style of a folder; a folder that mixes styles was partly converted."""
@@ -156,7 +159,7 @@ class Family:
                 f"checkpoint mixes key namespaces ({', '.join(sorted(styles))}); "
                 "expected either raw Hugging Face or MLX names"
             )
-        return styles.pop() if styles else RAW_VLM
+        return styles.pop() if styles else self.default_style
 
     def is_head(self, mlx_name: str) -> bool:
         return mlx_name.startswith(self.head_prefix)

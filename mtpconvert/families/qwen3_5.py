@@ -377,4 +377,5 @@ FAMILY = Family(
     source_name=source_name,
     is_zero_centred_norm=is_zero_centred_norm,
     norms_zero_centred=norms_zero_centred,
+    text_prefix=LM,
 )

@@ -148,6 +148,9 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
 
     if opts.mtp_layout not in MTP_LAYOUTS:
         raise OptionsError(f"--mtp-layout must be one of {MTP_LAYOUTS}, got {opts.mtp_layout!r}")
+    if opts.mtp_layout not in family.mtp_layouts and quant.mtp != "drop":
+        raise OptionsError(f"--mtp-layout {opts.mtp_layout}: {family.title} writes its head only as "
+                           f"{' or '.join(family.mtp_layouts)} (docs/transforms.md says why)")
     if opts.max_shard_bytes <= 0:
         raise OptionsError(f"--max-shard-size must be > 0 GB, got {opts.max_shard_bytes / (1 << 30):g}")
     files = _source_files(ckpt)
@@ -200,7 +203,8 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         shards=sorted({it.shard for it in items}),
         notes=notes,
     )
-    plan.config = output_config(ckpt.config, spec, n_mtp, quantization_block(decisions, quant), opts.keep_vision)
+    plan.config = family.loadable_config(
+        output_config(ckpt.config, spec, n_mtp, quantization_block(decisions, quant), opts.keep_vision))
     if sidecar:
         tc = plan.config.get("text_config", plan.config)
         # read by mtplx (mtp_file) and vllm-mlx (hidden state mode); the head drafts from the

@@ -22,7 +22,7 @@ from ...families import family_for
 from ...io.header import TensorInfo, read_header
 from ...io.reader import TensorReader
 from ..decoding.locate import HEAD_PREFIXES, HeadTensors, shard_files
-from ..decoding.mtp import MTPHead, head_class, stack_experts
+from ..decoding.mtp import MTPHead, head_class, stack_experts, text_model
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -96,7 +96,8 @@ class _Folder:
         # A shell of the whole model: its parameters are lazy random arrays that are never
         # evaluated (no memory); it gives mlx-lm's sanitize, argument parsing and layer classes.
         self.shell = model_class(args_class.from_dict(self.config))
-        self.args = self.shell.language_model.args
+        self.text = self.family.text_prefix  # key prefix of the text model's tensors
+        self.args = text_model(self.shell).args
         self.quant = self.config.get("quantization")
         self.headers = []
         self.infos: Dict[str, TensorInfo] = {}
@@ -137,7 +138,7 @@ class _Folder:
     def _info(self, key: str) -> TensorInfo:
         if key not in self.infos:
             raise LayoutError(f"tensor {key} not found", file=self.path,
-                              hint="the layerwise check reads converted MLX folders (language_model.* keys)")
+                              hint="the layerwise check reads converted MLX folders")
         return self.infos[key]
 
     def gather_rows(self, key: str, rows: np.ndarray) -> mx.array:
@@ -172,12 +173,12 @@ class _Embedding:
     """The prompts' rows of the input embedding, through mlx's own (Quantized)Embedding."""
 
     def __init__(self, folder: _Folder, token_ids: Sequence[Sequence[int]]):
-        stem = "language_model.model.embed_tokens"
+        stem = folder.text + "model.embed_tokens"
         uniq = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids]))
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= folder._info(stem + ".weight").shape[0]):
             raise ValueError(f"token ids outside the embedding (0..{folder._info(stem + '.weight').shape[0] - 1})")
-        holder = _Holder("embed_tokens", folder.shell.language_model.model.embed_tokens)
-        _quantize(holder, ("language_model.model.",), folder.quant, folder.weights)
+        holder = _Holder("embed_tokens", text_model(folder.shell).model.embed_tokens)
+        _quantize(holder, (folder.text + "model.",), folder.quant, folder.weights)
         self.module = holder.embed_tokens
         self.module.update({k.rsplit(".", 1)[1]: folder.gather_rows(k, uniq) for k in folder._module_keys(stem)})
         mx.eval(self.module.parameters())
@@ -196,12 +197,12 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
                         progress: Callable[[str], None]) -> Tuple[List[List[List[int]]], int]:
     """Running argmax of lm_head over vocabulary blocks, for every state array in ``states``
     (``states[p][j]``: prompt p's j-th [1, L, H] array). Returns argmax ids, and the largest block's bytes."""
-    lm = folder.shell.language_model
+    lm = text_model(folder.shell)
     tied = folder.args.tie_word_embeddings
-    stem = "language_model.model.embed_tokens" if tied else "language_model.lm_head"
+    stem = folder.text + ("model.embed_tokens" if tied else "lm_head")
     name = "embed_tokens" if tied else "lm_head"
     holder = _Holder(name, lm.model.embed_tokens if tied else lm.lm_head)
-    _quantize(holder, ("language_model.model.",) if tied else ("language_model.",), folder.quant, folder.weights)
+    _quantize(holder, (folder.text + "model.",) if tied else (folder.text,), folder.quant, folder.weights)
     module = getattr(holder, name)
     keys = folder._module_keys(stem)
     if not keys:
@@ -248,8 +249,8 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
 
 def _load_layer(folder: _Folder, i: int) -> nn.Module:
     """Decoder layer i: mlx-lm's class, quantized as load_model would, filled with its tensors only."""
-    prefix = f"language_model.model.layers.{i}."
-    layer = type(folder.shell.language_model.model.layers[i])(folder.args, layer_idx=i)
+    prefix = f"{folder.text}model.layers.{i}."
+    layer = type(text_model(folder.shell).model.layers[i])(folder.args, layer_idx=i)
     weights = {k: folder.weights.pop(k) for k in [k for k in folder.weights if k.startswith(prefix)]}
     _quantize(layer, (prefix,), folder.quant, weights)
     layer.load_weights([(k[len(prefix):], v) for k, v in weights.items()], strict=True)
@@ -273,7 +274,7 @@ def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
                 weights[k] = lazy[full]
         del lazy
     weights = stack_experts(weights, folder.family)
-    head = head_class(folder.family)(folder.args, 1)
+    head = head_class(folder.family)(folder.args, 1, type(text_model(folder.shell).model.layers[0]))
     prefixes = (head_tensors.prefix,) + tuple(p for p in HEAD_PREFIXES if p != head_tensors.prefix)
     _quantize(head, prefixes, folder.quant, {head_tensors.prefix + k: v for k, v in weights.items()})
     try:

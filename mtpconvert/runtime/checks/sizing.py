@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ...io.files import contained
 from ...io.header import read_header
 from ..decoding.locate import HEAD_PREFIXES, MTP_FILE, shard_files
 
@@ -17,7 +18,8 @@ from ..decoding.locate import HEAD_PREFIXES, MTP_FILE, shard_files
 def weight_files(path: Path) -> List[Path]:
     """Every weight file the full smoke would load: the shards and the MTP sidecar."""
     path = Path(path)
-    return [Path(f) for f in shard_files(path)] + ([path / MTP_FILE] if (path / MTP_FILE).is_file() else [])
+    head = [contained(path, MTP_FILE, "MTP file")] if os.path.lexists(path / MTP_FILE) else []
+    return [Path(f) for f in shard_files(path)] + head
 
 
 def folder_weight_bytes(path: Path) -> int:
@@ -25,7 +27,7 @@ def folder_weight_bytes(path: Path) -> int:
     return sum(os.path.getsize(f) for f in weight_files(path))
 
 
-_LAYER_KEY = re.compile(r"language_model\.model\.layers\.(\d+)\.")
+_LAYER_KEY = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")  # the text model's, any family
 
 
 def unit_of(key: str) -> str:
@@ -40,7 +42,7 @@ def unit_of(key: str) -> str:
         return "embed_tokens"
     if ".lm_head." in key:
         return "lm_head"
-    if key == "language_model.model.norm.weight":
+    if key in ("language_model.model.norm.weight", "model.norm.weight"):
         return "norm"
     return "other"
 

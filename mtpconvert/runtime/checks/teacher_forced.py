@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from ...errors import LayoutError
 from ..decoding.locate import HeadTensors
-from ..decoding.mtp import MTPHead
+from ..decoding.mtp import MTPHead, text_model
 from .compute import _finish_layer, fast_float_dtype
 from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain, matches, mlp_removed, paired_gain
 from .shards import _Embedding, _Folder, _load_head, _load_layer, _param_bytes, _run_lm_head_blocks
@@ -220,8 +220,8 @@ class TeacherForcedPass:
             raise LayoutError(f"layer {self.next_layer} of {self.layers} was never run: its tensors are missing",
                               file=folder.path)
         result.head_source = head_tensors.source
-        norm = folder.shell.language_model.model.norm
-        norm.load_weights([("weight", folder.weights.pop("language_model.model.norm.weight"))], strict=True)
+        norm = text_model(folder.shell).model.norm
+        norm.load_weights([("weight", folder.weights.pop(folder.text + "model.norm.weight"))], strict=True)
         hs = [norm(x) for x in self.xs]
         mx.eval(hs)
 

@@ -2,8 +2,8 @@
 
 The backbone comes from ``mlx_lm.utils.load_model`` unchanged (it drops ``mtp.*``);
 the head is built from mlx-lm's layers, quantized exactly as config.json says, and
-filled from wherever the folder keeps it: the ``mtp.safetensors`` sidecar or
-``language_model.mtp.*`` inside the shards (experts stacked, per expert or fused).
+filled from wherever the folder keeps it: the ``mtp.safetensors`` sidecar or the family's
+head prefix (``language_model.mtp.*``) inside the shards (experts stacked, per expert or fused).
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from ...errors import LayoutError
 from ...families import family_for
 from ...families.base import RAW_TEXT, RAW_VLM, Family
 from .locate import HEAD_PREFIXES, locate_mtp
-from .mtp import MTPHead, head_class, stack_experts
+from .mtp import MTPHead, head_class, stack_experts, text_model
 
 
 @dataclass
 class MTPModel:
-    model: nn.Module  # stock mlx-lm Model (qwen3_5 / qwen3_5_moe)
+    model: nn.Module  # stock mlx-lm Model (the family's module)
     head: MTPHead
     config: dict
 
     @property
     def lm(self):
-        return self.model.language_model
+        return text_model(self.model)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.lm.model.embed_tokens(tokens)
@@ -95,18 +95,18 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
         raise LayoutError("not a converted model folder: no config.json", file=path)
     _refuse_raw(path)
     model, config = load_model(path, lazy=lazy)
-    tc = config.get("text_config", config)
-    n = int(tc.get("mtp_num_hidden_layers", 0) or 0)
     family = family_for(config)
+    n = family.spec(config).mtp_layers or 0  # the family's count keys (Qwen3-Next also num_nextn_predict_layers)
     weights = _mtp_weights(path, family)
     if n == 0 or not weights:
         raise LayoutError(
             "no MTP head: " + ("config says mtp_num_hidden_layers=0" if n == 0
-                               else "no mtp.safetensors and no language_model.mtp.* tensors"),
+                               else f"no mtp.safetensors and no {family.head_prefix}* tensors"),
             file=path,
             hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
         )
-    head = head_class(family)(model.language_model.args, n)
+    lm = text_model(model)
+    head = head_class(family)(lm.args, n, type(lm.model.layers[0]))
     quant: Optional[dict] = config.get("quantization")
     if quant:
         def predicate(p, m):

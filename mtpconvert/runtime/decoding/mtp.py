@@ -24,15 +24,22 @@ from ...families.base import Family, Gather
 from ...plan.head import SIDECAR_PREFIX
 
 
+def text_model(model: nn.Module) -> nn.Module:
+    """The text model inside an mlx-lm ``Model`` (``.model``, ``.lm_head``, ``.args``): Qwen3.5's
+    wraps it as ``language_model``, a flat family's Model is it."""
+    return getattr(model, "language_model", model)
+
+
 class MTPHead(nn.Module):
-    def __init__(self, args: TextModelArgs, num_layers: int = 1):
+    def __init__(self, args: TextModelArgs, num_layers: int = 1, layer_class: type = DecoderLayer):
         super().__init__()
         H, eps = args.hidden_size, args.rms_norm_eps
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
         self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
-        # layer_idx = interval - 1 makes mlx-lm build a full-attention layer
-        self.layers = [DecoderLayer(args, layer_idx=args.full_attention_interval - 1) for _ in range(num_layers)]
+        # the backbone's own decoder-layer class; layer_idx = interval - 1 makes mlx-lm build it with
+        # full attention (and, in Qwen3-Next, the MoE block wherever the model has experts)
+        self.layers = [layer_class(args, layer_idx=args.full_attention_interval - 1) for _ in range(num_layers)]
         self.norm = nn.RMSNorm(H, eps=eps)
 
     def make_cache(self) -> List[KVCache]:

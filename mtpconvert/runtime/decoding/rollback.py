@@ -23,6 +23,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
+from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
+
+from .mtp import text_model
 
 
 class LinearPass(NamedTuple):
@@ -78,19 +81,20 @@ class RollbackArraysCache(ArraysCache):
         self.pass_length = keep
 
 
-class RecordingGatedDeltaNet(GatedDeltaNet):
-    """GatedDeltaNet whose pass can be undone to any prefix through a RollbackArraysCache."""
+class _Recording:
+    """The recording forward shared by every GatedDeltaNet variant; ``_project`` is where they differ."""
+
+    def _project(self, inputs: mx.array):
+        """(mixed q|k|v before the conv, z, b, a) of the input positions."""
+        raise NotImplementedError
 
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
         if not isinstance(cache, RollbackArraysCache):
             return super().__call__(inputs, mask, cache)
-        if self.sharding_group is not None or cache.lengths is not None:
+        if getattr(self, "sharding_group", None) is not None or cache.lengths is not None:
             raise NotImplementedError("speculative decoding runs one unsharded sequence")
         B, S, _ = inputs.shape
-        qkv = self.in_proj_qkv(inputs)
-        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        b = self.in_proj_b(inputs)
-        a = self.in_proj_a(inputs)
+        qkv, z, b, a = self._project(inputs)
 
         n_keep = self.conv_kernel_size - 1
         conv_state = cache[0] if cache[0] is not None else mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
@@ -120,20 +124,43 @@ class RecordingGatedDeltaNet(GatedDeltaNet):
         return self.out_proj(out.reshape(B, S, -1))
 
 
+class RecordingGatedDeltaNet(_Recording, GatedDeltaNet):
+    """Qwen3.5's GatedDeltaNet (split projections) whose pass can be undone to any prefix."""
+
+    def _project(self, inputs: mx.array):
+        B, S, _ = inputs.shape
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(inputs), z, self.in_proj_b(inputs), self.in_proj_a(inputs)
+
+
+class RecordingNextGatedDeltaNet(_Recording, Qwen3NextGatedDeltaNet):
+    """Qwen3-Next's GatedDeltaNet (fused in_proj_qkvz / in_proj_ba, mlx-lm's own reordering)."""
+
+    def _project(self, inputs: mx.array):
+        B, S, _ = inputs.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return qkv, z, b, a
+
+
+# each mlx-lm linear-attention class and its recording twin (same parameters, same stock forward)
+RECORDING = {GatedDeltaNet: RecordingGatedDeltaNet, Qwen3NextGatedDeltaNet: RecordingNextGatedDeltaNet}
+
+
 def enable_rollback(model: nn.Module) -> None:
-    """Make every linear-attention layer of a loaded qwen3_5 model record states (idempotent).
+    """Make every linear-attention layer of a loaded model record states (idempotent).
 
     Only the class changes: parameters, names and the stock forward (used whenever the
     cache is not a RollbackArraysCache) stay exactly mlx-lm's.
     """
-    for layer in model.language_model.model.layers:
-        if layer.is_linear and type(layer.linear_attn) is GatedDeltaNet:
-            layer.linear_attn.__class__ = RecordingGatedDeltaNet
+    for layer in text_model(model).model.layers:
+        if layer.is_linear and type(layer.linear_attn) in RECORDING:
+            layer.linear_attn.__class__ = RECORDING[type(layer.linear_attn)]
 
 
 def make_rollback_cache(model: nn.Module, max_pass: int = 16) -> list:
     """Caches for a speculative decode: passes of up to ``max_pass`` tokens can be undone."""
-    return [RollbackArraysCache(max_pass) if layer.is_linear else KVCache() for layer in model.language_model.model.layers]
+    return [RollbackArraysCache(max_pass) if layer.is_linear else KVCache() for layer in text_model(model).model.layers]
 
 
 def rollback(cache: list, keep: int, length: int) -> None:

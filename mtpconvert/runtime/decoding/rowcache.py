@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_update
 
+from .mtp import text_model
 from .rollback import RollbackArraysCache
 
 
@@ -172,7 +173,7 @@ class RowRollbackCache(RollbackArraysCache):
 def make_row_cache(model, max_pass: int, rows: int = 1) -> list:
     """Empty caches for new rows (prefilled together, then appended to the batch with ``extend``)."""
     return [RowRollbackCache(max_pass) if layer.is_linear else RowKVCache([0] * rows)
-            for layer in model.language_model.model.layers]
+            for layer in text_model(model).model.layers]
 
 
 def undo_rows(cache: list, keep: Sequence[int], length: int) -> None:
