@@ -1,6 +1,6 @@
 """The offline demo: bundled raw fixture -> convert (--bits 4 variants) -> verify -> smoke -> bench.
 
-    python -m mtpconvert.demo [--out demo-out] [--variant dense|moe] [--fixture text|markov]
+    python -m mtpconvert.demo [--out demo-out] [--variant dense|moe|next] [--fixture text|markov]
 
 The default fixture is the text one (trained on the stdlib's sources, realistic acceptance),
 benched on prompts from stdlib files held out of its training; ``--fixture markov`` runs the
@@ -32,6 +32,7 @@ from .runtime.checks.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
 from .runtime.decoding.load import load
 from .runtime.measure.bench import bench
 from .io.checkpoint import open_checkpoint
+from .logs import quiet_known_warnings
 from .verify import verify
 
 
@@ -58,14 +59,18 @@ VARIANTS = [  # (folder, label, options); hidden size 96, so group 32 lets every
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("demo-out"))
-    ap.add_argument("--variant", choices=["dense", "moe"], default="dense")
+    ap.add_argument("--variant", choices=["dense", "moe", "next"], default="dense",
+                    help="Qwen3.5 dense or MoE, or Qwen3-Next (next: text fixture only)")
     ap.add_argument("--fixture", choices=["text", "markov"], default="text")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args(argv)
+    quiet_known_warnings()
     console = Console(width=None if sys.stdout.isatty() else 132)  # logs and pipes get the full table
+    if args.variant == "next" and args.fixture != "text":
+        ap.error("--variant next has a text fixture only")
     src = text_fixture_path(args.variant) if args.fixture == "text" else fixture_path(args.variant)
     # mlx's CPU backend has no bf16 gather_mm: float MoE experts run in float32 there
-    dtype = "float32" if args.variant == "moe" and mx.default_device() == mx.cpu else "bfloat16"
+    dtype = "float32" if args.variant != "dense" and mx.default_device() == mx.cpu else "bfloat16"
     console.rule(f"mtpconvert demo: {src.name} (raw Hugging Face layout, bundled)")
     prompts = text_prompts(src) if args.fixture == "text" else fixture_prompts()
     rows = []

@@ -261,3 +261,45 @@ def test_an_mtp_key_in_the_shards_is_predicted_and_refused_by_stock_mlx_lm(conve
     assert "strict load" in report.get("mlx-lm>=0.32").backbone_exact.reason
     with pytest.raises(ValueError, match="parameters not in model"):
         load_model(folder)
+
+
+# ------------------------------------------------------------------ the trained fixture in our runtime
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from mtpconvert.fixture.text import text_fixture_path
+
+    out = tmp_path_factory.mktemp("next-text") / "q4"
+    convert_folder(text_fixture_path("next"), out, dtype="float32", bits=4, group_size=32)
+    return out
+
+
+def test_batched_rows_match_plain_batched_and_solo(trained):
+    """Batched MTP over the trained Qwen3-Next head: rows joining and leaving, plain and drafting rows in one
+    step, every row's tokens the plain engine's (and solo plain greedy's)."""
+    from test_batched import Alternate, assert_not_degenerate, mixed_streams
+
+    from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
+    from mtpconvert.runtime.decoding.batched import run_batch
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.decoding.speculative import plain_generate
+
+    m = load(trained)
+    _, prompts, _ = heldout_prompts(text_fixture_path("next"), per_file=1, prompt_tokens=24, files=4)
+    join_at = [0, 0, 1, 1]
+    mtp = mixed_streams(prompts, 4)
+    engine = run_batch(m, mtp, 2, "mtp", join_at=join_at, policy=Alternate())
+    assert_not_degenerate(engine)
+    plain = mixed_streams(prompts, 4)
+    run_batch(m, plain, 2, "plain", join_at=join_at)
+    for a, b in zip(mtp, plain):
+        assert a.out == b.out
+        assert a.out == plain_generate(m, a.prompt, len(a.out))[0]
+
+
+def test_layerwise_smoke_accepts_the_trained_head(trained):
+    from mtpconvert.checks import CheckRecord, Checks, smoke_folder
+
+    result = smoke_folder(trained, Checks(smoke_mode="layerwise"), CheckRecord())
+    assert result.ok and result.acceptance >= 0.3, result.to_json()

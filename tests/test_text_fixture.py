@@ -20,7 +20,7 @@ from mtpconvert.runtime.decoding.speculative import mtp_generate, plain_generate
 from mtpconvert.verify import verify
 
 # mlx's CPU backend has no bf16 gather_mm: float MoE experts run in float32 here
-DTYPE = {"dense": "bfloat16", "moe": "float32"}
+DTYPE = {"dense": "bfloat16", "moe": "float32", "next": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def converted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "next"])
 def test_text_fixture_verifies(variant):
     assert verify(text_fixture_path(variant)).ok
 
@@ -50,7 +50,9 @@ def test_text_fixture_verifies(variant):
     ("dense", dict(bits=4, mtp_bits=2)),  # the lowest-accepting correct conversion measured
     ("moe", {}),
     ("moe", dict(bits=4, mtp="match")),
-], ids=["dense", "dense-q4-mtp2", "moe", "moe-q4-match"])
+    ("next", dict(bits=4, group_size=32)),
+    ("next", dict(bits=4, group_size=32, mtp="match")),
+], ids=["dense", "dense-q4-mtp2", "moe", "moe-q4-match", "next-q4", "next-q4-match"])
 def test_correct_heads_pass_smoke(converted, variant, quant):
     result = smoke(converted(variant, **quant))
     assert result.identical and result.acceptance >= DEFAULT_MIN_ACCEPTANCE, result.to_json()
@@ -61,6 +63,8 @@ def test_correct_heads_pass_smoke(converted, variant, quant):
     ("dense", "noshift_head"),
     ("dense", "fc_swapped"),
     ("moe", "experts_rev"),
+    ("next", "noshift_head"),
+    ("next", "fc_swapped"),
 ])
 def test_broken_heads_fail_smoke(converted, tmp_path, variant, edit):
     src = text_fixture_path(variant)
@@ -111,11 +115,12 @@ def test_dropped_head_is_refused(tmp_path):
         load(out)
 
 
-def test_acceptance_is_realistic_on_heldout_prompts(converted):
+@pytest.mark.parametrize("variant", ["dense", "next"])
+def test_acceptance_is_realistic_on_heldout_prompts(converted, variant):
     """Greedy acceptance on stdlib files held out of training lands in real releases' range, and
     greedy MTP decoding is plain greedy decoding."""
-    folder = converted("dense")
-    _, prompts, _ = heldout_prompts(text_fixture_path("dense"), per_file=1, prompt_tokens=48, files=8)
+    folder = converted(variant) if variant == "dense" else converted(variant, bits=4, group_size=32)
+    _, prompts, _ = heldout_prompts(text_fixture_path(variant), per_file=1, prompt_tokens=48, files=8)
     m = load(folder)
     accepted = proposed = 0
     for ids in prompts:

@@ -35,10 +35,12 @@ def weight_files(folder: Path):
     return [f for f in files if f.exists()]
 
 
-def raw_name(name: str) -> str:
-    """The raw Hugging Face key of a converted tensor name (Qwen3.5's ``model.language_model.`` backbone)."""
+def raw_name(name: str, raw: Dict) -> str:
+    """The raw Hugging Face key of a converted tensor name: Qwen3.5's ``model.language_model.`` backbone, or
+    the same name where the release's keys are mlx-lm's (Qwen3-Next)."""
     name = name[len(WRAPPER):] if name.startswith(WRAPPER) else name
-    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+    vlm = "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+    return vlm if vlm in raw else name
 
 
 def is_zero_centred_norm(name: str) -> bool:
@@ -57,7 +59,7 @@ def editor(edit: str, raw: Dict) -> Callable:
     def fn(name, w) -> Optional["mx.array"]:
         if edit in ("noshift_head", "noshift_all") and is_zero_centred_norm(name):
             if edit == "noshift_all" or in_head(name):
-                return raw[raw_name(name)].astype(w.dtype)
+                return raw[raw_name(name, raw)].astype(w.dtype)
         elif edit == "fc_swapped" and name.endswith("mtp.fc.weight") and w.dtype != mx.uint32:
             half = w.shape[1] // 2
             return mx.concatenate([w[:, half:], w[:, :half]], axis=1)

@@ -20,6 +20,10 @@ Steps (each a sub-command):
               config, tokenizer and training.json
     parity    transformers' forward (torch, CPU) of the raw folder against MLX on its conversion
 
+``--variant next`` trains, exports and checks a Qwen3-Next MoE model instead (transformers'
+``Qwen3NextForCausalLM``, same tokenizer and stage, the published flat ``model.*`` layout in two
+shards with ``mtp.*`` in the last): tools/train_text_fixture_next.py holds its specifics.
+
 The MTP head is ``fc(concat[pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h_t)])``, one
 full-attention decoder layer (dense MLP or MoE, like the backbone's), ``norm``, and the shared
 ``lm_head``; ``h_t`` is the backbone's post-final-norm state. Loss: next-token cross-entropy
@@ -30,6 +34,9 @@ plus the head's cross-entropy on token t+2 (plus a small router load-balancing t
     python tools/train_text_fixture.py export --stage /tmp/stage --run /tmp/run-dense --variant dense \\
         --out mtpconvert/fixture/data/text-qwen35-mtp
     python tools/train_text_fixture.py parity mtpconvert/fixture/data/text-qwen35-mtp
+    python tools/train_text_fixture.py train --stage /tmp/stage --variant next --out /tmp/run-next --steps 1000
+    python tools/train_text_fixture.py export --stage /tmp/stage --run /tmp/run-next --variant next
+    python tools/train_text_fixture.py parity mtpconvert/fixture/data/text-qwen3next-mtp --stage /tmp/stage
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ import numpy as np
 SCRIPT = "tools/train_text_fixture.py"
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = {"dense": REPO / "mtpconvert/fixture/data/text-qwen35-mtp",
-            "moe": REPO / "mtpconvert/fixture/data/text-qwen35-moe-mtp"}
+            "moe": REPO / "mtpconvert/fixture/data/text-qwen35-moe-mtp",
+            "next": REPO / "mtpconvert/fixture/data/text-qwen3next-mtp"}
 
 # ---------------------------------------------------------------------------------------------
 # Corpus: pure-Python modules of the standard library present in CPython 3.10, 3.11 and 3.12
@@ -291,12 +299,27 @@ def torch_classes(variant: str):
 
 
 def build_torch(variant: str, shape: dict = None):
-    """(backbone Qwen3_5[Moe]ForCausalLM, MTP head module, transformers config)."""
-    import torch.nn as nn
-
+    """(backbone Qwen3_5[Moe]ForCausalLM / Qwen3NextForCausalLM, MTP head module, transformers config)."""
+    if variant == "next":
+        return next_module().build_torch_next(shape)
     LM, Config, Layer, Norm = torch_classes(variant)
     cfg = {k: v for k, v in text_config(variant, shape).items() if k != "model_type"}
-    config = Config(**cfg)
+    return build_with(LM, Config(**cfg), Layer, Norm)
+
+
+def next_module():
+    """tools/train_text_fixture_next.py (Qwen3-Next specifics), sharing this module even when it runs as __main__."""
+    sys.modules.setdefault("train_text_fixture", sys.modules[__name__])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import train_text_fixture_next
+
+    return train_text_fixture_next
+
+
+def build_with(LM, config, Layer, Norm):
+    """The backbone LM(config) and an MTP head of Layer/Norm (one full-attention layer), initialised alike."""
+    import torch.nn as nn
+
     config._attn_implementation = "sdpa"
     lm = LM(config)
     full_idx = config.layer_types.index("full_attention")
@@ -339,8 +362,7 @@ def forward_losses(lm, head, tokens, router_logits=None, aux_coef=0.0):
     h = inner(input_ids=tokens).last_hidden_state  # after the final norm
     logits = lm.lm_head(h)
     main = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
-    pos = torch.arange(L - 1, device=tokens.device)[None, None].expand(3, B, -1)  # (t, h, w) positions, all t
-    pe = inner.rotary_emb(h, pos)
+    pe = inner.rotary_emb(h, head_positions(lm.config, B, L - 1, tokens.device))
     m = head(h[:, :-1], inner.embed_tokens(tokens[:, 1:]), pe)  # pair (h_t, t+1) at position t
     mtp_logits = lm.lm_head(m)[:, :-1]
     mtp = F.cross_entropy(mtp_logits.flatten(0, 1).float(), tokens[:, 2:].flatten())
@@ -363,6 +385,19 @@ def forward_losses(lm, head, tokens, router_logits=None, aux_coef=0.0):
     return loss, main, mtp, aux, stats
 
 
+def head_positions(config, batch: int, n: int, device=None):
+    """Position ids 0..n-1 of the head's pairs (h_t, t+1) at t: (t, h, w) triples for Qwen3.5's M-RoPE."""
+    import torch
+
+    pos = torch.arange(n, device=device)[None].expand(batch, -1)
+    mrope = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+    return pos[None].expand(3, -1, -1) if mrope else pos
+
+
+def is_moe(config) -> bool:
+    return bool(getattr(config, "num_experts", 0))
+
+
 def load_balancing(router_logits, n_experts: int, top_k: int):
     """Switch-Transformer balance loss: E * sum_e (share of tokens routed to e) * (mean router prob of e)."""
     import torch
@@ -374,14 +409,15 @@ def load_balancing(router_logits, n_experts: int, top_k: int):
     return n_experts * (share * probs.mean(0)).sum()
 
 
-def torch_state(lm, head) -> dict:
-    """Backbone under transformers' names, head under mtp.*, as the release stores them (bf16, f32 A_log/gated norm)."""
+def torch_state(lm, head, f32_suffixes=F32_SUFFIXES) -> dict:
+    """Backbone under transformers' names, head under mtp.*, as the release stores them (bf16; Qwen3.5 keeps
+    A_log and the gated norm in f32, Qwen3-Next stores everything in bf16)."""
     import torch
 
     sd = {k: v for k, v in lm.state_dict().items()}
     sd.update({f"mtp.{k}": v for k, v in head.state_dict().items()})
-    return {k: (v.detach().float() if k.endswith(F32_SUFFIXES) else v.detach().to(torch.bfloat16)).cpu().contiguous()
-            for k, v in sorted(sd.items())}
+    return {k: (v.detach().float() if k.endswith(tuple(f32_suffixes)) else v.detach().to(torch.bfloat16)).cpu()
+            .contiguous() for k, v in sorted(sd.items())}
 
 
 def train(args) -> None:
@@ -399,6 +435,8 @@ def train(args) -> None:
     train_ids = torch.from_numpy(np.load(stage / "train.npy").astype(np.int64)).to(dev)
     held_ids = torch.from_numpy(np.load(stage / "heldout.npy").astype(np.int64)).to(dev)
     lm, head, config = build_torch(args.variant, moe_shape(args))
+    if getattr(args, "experts_implementation", None) and is_moe(config):
+        lm.set_experts_implementation(args.experts_implementation)  # the head shares lm's config
     if args.final_norm_spread > 1:
         # Per-channel gains of the final norms, log-uniform in [1/spread, spread] at init (trainable):
         # a tiny model left alone learns a nearly uniform final-norm gain, which makes the pre-norm
@@ -414,13 +452,14 @@ def train(args) -> None:
     n_params = sum(p.numel() for p in lm.parameters()) + sum(p.numel() for p in head.parameters())
 
     router_logits = []
-    if args.variant == "moe":
-        def keep(_module, _inputs, output):
-            router_logits.append(output[0])
+    if is_moe(config):
+        def keep(_module, _inputs, output):  # the router's logits (first of its outputs)
+            router_logits.append(output[0] if isinstance(output, tuple) else output)
         for name, mod in list(lm.named_modules()) + [(f"mtp.{n}", m) for n, m in head.named_modules()]:
             if name.endswith("mlp.gate"):
                 mod.register_forward_hook(keep)
-    aux_coef = getattr(config, "router_aux_loss_coef", 0.0) if args.variant == "moe" else 0.0
+    aux_coef = getattr(config, "router_aux_loss_coef", 0.0) if is_moe(config) else 0.0
+    f32_suffixes = () if args.variant == "next" else F32_SUFFIXES
 
     decay, no_decay = [], []
     for mod in (lm, head):
@@ -504,7 +543,7 @@ def train(args) -> None:
             print(json.dumps(rec), flush=True)
         if step in saves:
             name = f"step-{step:06d}.safetensors"
-            save_file(torch_state(lm, head), str(out / name), metadata={"format": "pt"})
+            save_file(torch_state(lm, head, f32_suffixes), str(out / name), metadata={"format": "pt"})
             saved.append(name)
     log = {
         "variant": args.variant, "device": str(dev),
@@ -556,6 +595,8 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def export(args) -> None:
+    if args.variant == "next":
+        return next_module().export_next(args)
     import mlx.core as mx
 
     sys.path.insert(0, str(REPO))
@@ -601,6 +642,8 @@ def export(args) -> None:
 
 def parity(args) -> None:
     """transformers (torch, f32, CPU) on the raw folder vs MLX on its `mtpconvert convert` output."""
+    if json.loads((Path(args.folder) / "config.json").read_text())["model_type"] == "qwen3_next":
+        return next_module().parity_next(args)
     import subprocess
     import tempfile
 
@@ -672,7 +715,7 @@ def main(argv=None) -> None:
 
     p = sub.add_parser("train", help="train one variant (torch)")
     p.add_argument("--stage", required=True)
-    p.add_argument("--variant", choices=sorted(VARIANTS), default="dense")
+    p.add_argument("--variant", choices=sorted(VARIANTS) + ["next"], default="dense")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=0, help="0: as many as --time-budget allows (calibrated)")
     p.add_argument("--time-budget", type=float, default=300.0, help="seconds, when --steps is 0")
@@ -692,6 +735,8 @@ def main(argv=None) -> None:
     p.add_argument("--final-norm-spread", type=float, default=3.0,
                    help="final norms' gains start log-uniform in [1/S, S] (1: all ones)")
     p.add_argument("--device", default=None)
+    p.add_argument("--experts-implementation", default=None,
+                   help="MoE: transformers' experts kernel (grouped_mm, batched_mm, eager; default: its choice)")
     p.add_argument("--save-at", type=float, nargs="*", default=[0.5])
     p.add_argument("--logs", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N logs")
@@ -702,16 +747,19 @@ def main(argv=None) -> None:
     p = sub.add_parser("export", help="checkpoint -> raw Hugging Face fixture folder")
     p.add_argument("--stage", required=True)
     p.add_argument("--run", required=True)
-    p.add_argument("--variant", choices=sorted(VARIANTS), default="dense")
+    p.add_argument("--variant", choices=sorted(VARIANTS) + ["next"], default="dense")
     p.add_argument("--checkpoint", default=None, help="file in RUN (default: the last)")
     p.add_argument("--out", default=None)
     p.add_argument("--commands", nargs="*", help="the commands that made it, recorded in training.json")
     p.set_defaults(func=export)
 
-    p = sub.add_parser("parity", help="transformers vs MLX on a raw folder")
+    p = sub.add_parser("parity", help="transformers vs MLX on a raw folder (Qwen3-Next: vs the trained model, torch only)")
     p.add_argument("folder")
     p.add_argument("--stage", default=None, help="take the tokens from STAGE's held-out ids")
     p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--run", default=None, help="Qwen3-Next: also compare with this train run's checkpoint")
+    p.add_argument("--checkpoint", default=None, help="file in RUN (default: the one training.json names)")
+    p.add_argument("--acceptance", action="store_true", help="Qwen3-Next: also measure the head's acceptance (STAGE)")
     p.set_defaults(func=parity)
     args = ap.parse_args(argv)
     args.func(args)

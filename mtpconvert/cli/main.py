@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from .. import __version__
+from ..logs import quiet_known_warnings
 from . import check, convert, families, hub, recipe
 from .errors import report
 from .helpfmt import Group
@@ -39,6 +40,7 @@ for group in (convert, check, hub, recipe, families):
 
 def run(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; return its exit code (errors outside a command go through the same table)."""
+    quiet_known_warnings()
     command = typer.main.get_command(app)
     try:
         code = command.main(args=argv, prog_name="mtpconvert", standalone_mode=False)
