@@ -172,7 +172,7 @@ def run_variant(variant: str, fixture: Path, work: Path, args) -> dict:
     texts, prompts, where = heldout_prompts(fixture, args.per_file, args.prompt_tokens)
     print(f"\n## {variant}: {fixture.name}, {len(prompts)} held-out prompts "
           f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x {args.max_tokens} tokens", flush=True)
-    extra = ["--dtype", "float32"] if variant == "moe" else []
+    extra = ["--dtype", "float32"] if variant in ("moe", "next") else []  # CPU gather_mm is float32-only
     greedy, sampled = Sampling(), Sampling(temperature=args.temperature)
     result = {"variant": variant, "fixture": str(fixture), "prompts": where, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "sample_seeds": args.seeds, "rows": []}
@@ -188,7 +188,7 @@ def run_variant(variant: str, fixture: Path, work: Path, args) -> dict:
     reference: Optional[Cell] = None
     jobs = [(n, f, None, None) for n, f in CONVERSIONS] + [(n, None, b, e) for n, b, e in BROKEN]
     for name, flags, base, edit in jobs:
-        if not keep(name) or (edit in MOE_ONLY and variant != "moe"):
+        if not keep(name) or (edit in MOE_ONLY and variant not in ("moe", "next")):
             continue
         out = work / f"{variant}-{name.replace(' ', '_')}"
         row = {"name": name}
@@ -287,7 +287,7 @@ def render(paths: Sequence[Path]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", choices=["dense", "moe"], help="repeatable (default: both)")
+    ap.add_argument("--variant", action="append", choices=["dense", "moe", "next"], help="repeatable (default: dense and moe)")
     ap.add_argument("--fixture", type=Path, help="raw folder to use instead of the bundled one (one variant)")
     ap.add_argument("--per-file", type=int, default=2, help="prompts per held-out file (12 files)")
     ap.add_argument("--prompt-tokens", type=int, default=48)

@@ -88,6 +88,8 @@ VLLM_LOOP_BUG = ("vllm_mlx/scheduler.py:827 (_install_mtp): mlx-lm 0.31's BatchG
                  "MTP monkey-patch returns before installing itself")
 
 FIX_DENSE, FIX_MOE = "tiny-qwen35-mtp", "tiny-qwen35-moe-mtp"
+FIX_NEXT = "text-qwen3next-mtp"  # Qwen3-Next, trained on text: probed on its own held-out prompts (TEXT_FIXTURES)
+TEXT_FIXTURES = (FIX_NEXT,)
 VISION_SRC = "vision"  # the dense fixture + a random vision tower, built by interop/vision_fixture.py
 G32 = ["--bits", "4", "--group-size", "32"]  # hidden 96: group 32 quantizes every head linear, as on a real model
 F32 = ["--dtype", "float32"]  # bf16 MoE cannot run on mlx's CPU backend (gather_mm is float32-only)
@@ -104,6 +106,9 @@ VARIANTS: Dict[str, List[tuple]] = {
         ("moe-4bit", FIX_MOE, G32 + F32),
         ("moe-4bit-match", FIX_MOE, G32 + F32 + ["--mtp", "match"]),
         ("moe-4bit-mtp8", FIX_MOE, G32 + F32 + ["--mtp-bits", "8"]),
+        ("next-f32", FIX_NEXT, F32),
+        ("next-4bit", FIX_NEXT, G32 + F32),
+        ("next-4bit-match", FIX_NEXT, G32 + F32 + ["--mtp", "match"]),
     ],
     "in-model": [  # for the mlx-lm PR #990 branch: float head (MoE head experts per expert)
         ("dense-f32", FIX_DENSE, F32),
@@ -246,6 +251,22 @@ def convert(py: str, src: Path, out: Path, opts: List[str], layout: str) -> Opti
     return None if r.returncode == 0 else "convert failed: " + _last_line(r.stderr or r.stdout)
 
 
+def text_prompts(py: str, source: str, work: Path) -> Path:
+    """Token ids of held-out prompts for a text fixture (its own tokenizer; the shared prompts.json is the
+    Markov fixtures' vocabulary), written once into ``work``."""
+    out = work / f"prompts-{source}.json"
+    if not out.is_file():
+        code = ("import json, sys; from pathlib import Path; from mtpconvert.fixture.text import heldout_prompts; "
+                "print(json.dumps(heldout_prompts(Path(sys.argv[1]), per_file=1, prompt_tokens=24, files=5)[1]))")
+        r = subprocess.run([py, "-c", code, str(FIXTURES / source)], capture_output=True, text=True, env=_env(),
+                           cwd=str(ROOT))
+        if r.returncode != 0:
+            raise RuntimeError("held-out prompts failed: " + _last_line(r.stderr))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(r.stdout)
+    return out
+
+
 def build_folders(a, work: Path) -> List[dict]:
     py = project_python(a.python)
     folders = []
@@ -256,12 +277,15 @@ def build_folders(a, work: Path) -> List[dict]:
                 continue
             out = work / layout / name
             label = f"{layout}/{name}"
+            prompts = None
             try:
                 err = convert(py, source_folder(py, source, work), out, opts, layout)
+                prompts = text_prompts(py, source, work) if source in TEXT_FIXTURES else None
             except RuntimeError as e:
                 err = str(e)
             folders.append({"name": label, "layout": layout, "variant": name, "path": str(out), "error": err,
-                            "options": " ".join(opts) or "(defaults: bf16)", "vision": "--keep-vision" in opts})
+                            "options": " ".join(opts) or "(defaults: bf16)", "vision": "--keep-vision" in opts,
+                            "prompts": prompts})
     return folders
 
 
@@ -539,11 +563,12 @@ def main(argv=None) -> int:
             failed += 1
             continue
         pred = predict(py, f["path"])
-        base = run_probe(RUNTIMES[BASELINE], f["path"], a.prompts_json, a.max_tokens, a.timeout)
+        prompts_json = f.get("prompts") or a.prompts_json
+        base = run_probe(RUNTIMES[BASELINE], f["path"], prompts_json, a.max_tokens, a.timeout)
         for n in ready:
             rt = RUNTIMES[n]
             t0 = time.time()
-            res = base if n == BASELINE else run_probe(rt, f["path"], a.prompts_json, a.max_tokens, a.timeout)
+            res = base if n == BASELINE else run_probe(rt, f["path"], prompts_json, a.max_tokens, a.timeout)
             if res.get("version"):
                 versions[n] = res["version"] + (f" (mlx-lm {res['detail']['mlx_lm']})"
                                                 if (res.get("detail") or {}).get("mlx_lm") else "")

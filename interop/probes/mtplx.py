@@ -11,8 +11,12 @@ prints ONE JSON object on stdout (everything else goes to stderr):
 What it runs: ``mtplx.runtime.load(folder)`` (mlx-lm ``load`` for the backbone, then mtplx's
 MTP injection, which looks for ``config.mlx_lm_extra_tensors.mtp_file``, else ``mtp.safetensors``,
 ``mtp/weights.safetensors``, ``model-mtp.safetensors``, else ``mtp.*`` keys inside the model
-shards), then ``mtplx.generation.generate_ar`` (plain greedy) and ``generate_mtp1`` (greedy MTP,
-depth 1) on each prompt. Proposed/accepted are mtplx's own ``drafted_tokens`` /
+shards), then ``mtplx.generation.generate_ar`` (plain greedy) and ``generate_mtpk`` (greedy MTP,
+depth 1) on each prompt, with the head's KV cache kept over the prompt and every committed token
+(``mtp_cache_policy="persistent"``, ``mtp_history_policy="committed"``: what mtplx's CLI and server
+pass, cli.py:1549). ``generate_mtp1`` drafts each token from an empty head cache instead
+(generation.py:9814), which a head trained over whole sequences cannot do well: it is reported as
+``detail.history_free`` (proposed, accepted). Proposed/accepted are mtplx's own ``drafted_tokens`` /
 ``accepted_drafts`` counters. When the load with the head fails, the backbone is still loaded
 with ``mtp=False`` so ``backbone_tokens`` are reported next to the error.
 
@@ -115,7 +119,7 @@ def body(folder: Path, prompts, max_tokens: int, result: dict, tap: _LogTap) -> 
     result["detail"]["mlx_lm"] = version("mlx-lm")
     result["detail"]["clock_stand_in"] = _install_clock_stand_in()
 
-    from mtplx.generation import generate_ar, generate_mtp1
+    from mtplx.generation import generate_ar, generate_mtp1, generate_mtpk
     from mtplx.runtime import load
     from mtplx.sampling import SamplerConfig
 
@@ -150,13 +154,18 @@ def body(folder: Path, prompts, max_tokens: int, result: dict, tap: _LogTap) -> 
         result["error"] = "mtplx loaded the model without an MTP head (mtp_enabled=False)"
         return
 
-    mtp_tokens, proposed, accepted = [], 0, 0
+    mtp_tokens, proposed, accepted, free = [], 0, 0, [0, 0]
     for p in prompts:
-        out = generate_mtp1(rt, list(p), max_tokens=max_tokens, sampler=greedy, stop_token_ids=set())
+        out = generate_mtpk(rt, list(p), max_tokens=max_tokens, sampler=greedy, stop_token_ids=set(),
+                            speculative_depth=1, mtp_cache_policy="persistent", mtp_history_policy="committed")
         mtp_tokens.append([int(t) for t in out.tokens])
         proposed += int(out.stats.drafted_tokens)
         accepted += int(out.stats.accepted_drafts)
+        once = generate_mtp1(rt, list(p), max_tokens=max_tokens, sampler=greedy, stop_token_ids=set())
+        free[0] += int(once.stats.drafted_tokens)
+        free[1] += int(once.stats.accepted_drafts)
     result["mtp_tokens"], result["proposed"], result["accepted"] = mtp_tokens, proposed, accepted
+    result["detail"]["history_free"] = {"proposed": free[0], "accepted": free[1]}
 
 
 def main(argv=None) -> int:

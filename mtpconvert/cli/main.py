@@ -17,7 +17,7 @@ from .helpfmt import Group
 
 app = typer.Typer(
     cls=Group,
-    help="Convert Qwen3.5/3.6/3.8 checkpoints (BF16 or block-FP8) to MLX with the Multi-Token-Prediction head kept.",
+    help="Convert Qwen3.5/3.6/3.8 and Qwen3-Next checkpoints (BF16 or block-FP8) to MLX with the Multi-Token-Prediction head kept.",
     epilog="Examples:\n\n  mtpconvert pull-and-quantize Qwen/Qwen3.5-27B --bits 4\n\n  mtpconvert convert "
            "~/models/Qwen3.5-27B out/ --bits 4\n\n  mtpconvert COMMAND --help   # each command's options and "
            "examples\n",
