@@ -117,7 +117,8 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("interop")
     out = {}
     for name, fixture, layout in (("dense", "tiny-qwen35-mtp", "sidecar"), ("moe", "tiny-qwen35-moe-mtp", "sidecar"),
-                                  ("dense-in-model", "tiny-qwen35-mtp", "in-model")):
+                                  ("dense-in-model", "tiny-qwen35-mtp", "in-model"),
+                                  ("next", "text-qwen3next-mtp", "sidecar")):
         # float32: exact across mlx-lm versions (bf16 kernels differ), and MoE must be float32 on CPU
         convert_folder(FIXTURES / fixture, root / name, dtype="float32", mtp_layout=layout)
         out[name] = root / name
@@ -130,7 +131,7 @@ def observed(venvs, folders):
     prompts = run.HERE / "prompts.json"
     py = {"mlx-lm-0.32": sys.executable, "mlx-lm-0.31": venvs["mlx-lm-0.31.3"], "mlx-vlm": venvs["mlx-vlm-0.7.10"]}
     jobs = [(f, r) for f in folders for r in ("mlx-lm-0.32", "mlx-lm-0.31")]
-    jobs += [(f, "mlx-vlm") for f in ("dense", "moe")]
+    jobs += [(f, "mlx-vlm") for f in ("dense", "moe", "next")]
 
     def probe(job):
         f, r = job
@@ -158,7 +159,7 @@ def _agrees(folder: Path, runtime: str, checks: dict) -> None:
     assert run.agreement(run.RUNTIMES[runtime], checks, pred), (runtime, checks, pred[run.RUNTIMES[runtime]["compat"]])
 
 
-@pytest.mark.parametrize("folder", ["dense", "moe"])
+@pytest.mark.parametrize("folder", ["dense", "moe", "next"])
 def test_mlx_lm_031_backbone_exact_with_default_layout(observed, folders, folder):
     res = observed[(folder, "mlx-lm-0.31")]
     assert res["version"] == "0.31.3"
@@ -185,3 +186,14 @@ def test_mlx_vlm_drafts_with_the_head(observed, folders, folder):
     assert c == {"backbone_exact": True, "head_found": True, "head_norms_as_written": True, "acceptance": True,
                  "mtp_equals_plain": True, "loads_as_vlm": None}, (c, res["accepted"], res["proposed"])
     _agrees(folders[folder], "mlx-vlm", c)
+
+
+def test_mlx_vlm_runs_the_qwen3_next_backbone_and_cannot_draft_as_predicted(observed, folders):
+    """mlx-vlm 0.7.10 loads a qwen3_next folder itself (backbone exact) and builds the drafter from mtp.safetensors,
+    but its qwen3_next model returns no hidden states, so MTP decoding fails: the table says so (head: no)."""
+    res, base = observed[("next", "mlx-vlm")], observed[("next", "mlx-lm-0.32")]
+    assert res["version"] == "0.7.10" and res["head_found"] and "NoneType" in (res.get("error") or ""), res
+    c = run.check("mlx-vlm", run.RUNTIMES["mlx-vlm"], res, base, _Args)
+    assert c["backbone_exact"] and c["head_found"], c
+    assert check_folder(folders["next"]).get("mlx-vlm").head_usable.ok is False
+    _agrees(folders["next"], "mlx-vlm", c)
