@@ -39,7 +39,10 @@ if backend == "cpu":  # MLX's CPU backend on a machine whose default device is a
 device = str(mx.default_device())
 if tool == "mlx_lm":
     from mlx_lm import convert
-    convert(hf_path=src, mlx_path=out, quantize=True, q_bits=int(bits), q_group_size=64)
+    if bits == "0":  # no quantization: the source's dtype (config.json's torch_dtype), as mtpconvert keeps it
+        convert(hf_path=src, mlx_path=out)
+    else:
+        convert(hf_path=src, mlx_path=out, quantize=True, q_bits=int(bits), q_group_size=64)
 else:
     if "-mlxquant" in tool:  # the same conversion with MLX's mx.quantize instead of npquant
         os.environ["MTPCONVERT_NUMPY_QUANT"] = "0"
@@ -123,7 +126,10 @@ def run(tool: str, src: Path, bits: int, cold: bool = False, digest: bool = Fals
             raise SystemExit(f"{tool} failed:\n{proc.stderr[-2000:]}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         result["steal_s"] = steal_s() - stolen
-        result["out_bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and not p.is_symlink())
+        # each file once: the MTP sidecar's mtp/weights.safetensors is a hard link of mtp.safetensors
+        files = {(s.st_dev, s.st_ino): s.st_size for p in out.rglob("*") if p.is_file() and not p.is_symlink()
+                 for s in [p.stat()]}
+        result["out_bytes"] = sum(files.values())
         if digest:
             result["digest"] = output_digest(out)
         shutil.rmtree(out, ignore_errors=True)
@@ -133,7 +139,7 @@ def run(tool: str, src: Path, bits: int, cold: bool = False, digest: bool = Fals
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
-    ap.add_argument("--bits", type=int, default=4, help="0: no quantization (mtpconvert tools only)")
+    ap.add_argument("--bits", type=int, default=4, help="0: no quantization (mlx_lm.convert without -q)")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run (root); default: warm")
     ap.add_argument("--tools", default="mlx_lm,mtpconvert-drop,mtpconvert",
                     help="mlx_lm, mtpconvert, mtpconvert-drop (--mtp drop); a -mlxquant suffix quantizes "

@@ -1,14 +1,17 @@
-"""Write a synthetic raw Qwen3.5 checkpoint shaped like a published one, without holding it in memory.
+"""Write a synthetic raw Qwen3.5 / Qwen3-Next checkpoint shaped like a published one, without holding it in memory.
 
 Shapes, key names, dtypes and config come from tests/data/layouts/<model>/ (the published tables);
 ``--layers N`` keeps the first N decoder layers (plus the MTP head) so large models fit this machine.
 Tensors are written one at a time in chunks (random values, zero-centred norms, ``[C,1,K]`` conv1d),
-into Qwen3.5-style shards ``model.safetensors-000NN-of-000MM.safetensors`` with an index.
+into shards named as the release names them (Qwen3.5: ``model.safetensors-000NN-of-000MM.safetensors``,
+Qwen3-Next: ``model-000NN-of-000MM.safetensors``) with an index. Decoder layers are
+``model.language_model.layers.N.`` (Qwen3.5) or ``model.layers.N.`` (Qwen3-Next, flat keys).
 ``--sparse`` writes headers only (files keep their full size as holes): enough for header-only
 work such as ``verify`` at full model size.
 
     python benchmarks/synth.py Qwen3.5-27B /tmp/synth-27b --layers 8 --shard-gb 1
     python benchmarks/synth.py Qwen3.5-122B-A10B /tmp/synth-122b --sparse
+    python benchmarks/synth.py Qwen3-Next-80B-A3B-Instruct /tmp/synth-next --layers 2
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import layouts  # noqa: E402  (the vendored published tables)
 
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
-LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
+LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat
 
 
 def load_table(model: str, layers: int | None, root: Path = layouts.LAYOUTS):
@@ -45,6 +48,13 @@ def load_table(model: str, layers: int | None, root: Path = layouts.LAYOUTS):
         if isinstance(tc.get("layer_types"), list):
             tc["layer_types"] = tc["layer_types"][:layers]
     return config, rows
+
+
+def shard_name(config: dict, i: int, total: int) -> str:
+    """The release's shard names: Qwen3-Next's ``model-000NN-of-000MM``, else Qwen3.5's."""
+    if config.get("model_type") == "qwen3_next":
+        return f"model-{i:05d}-of-{total:05d}.safetensors"
+    return f"model.safetensors-{i:05d}-of-{total:05d}.safetensors"
 
 
 def nbytes(shape, dtype) -> int:
@@ -96,7 +106,7 @@ def write(model: str, out: Path, layers: int | None, shard_gb: float, sparse: bo
     rng = np.random.default_rng(seed)
     pool = None if sparse else rng.standard_normal(POOL_ELEMS, dtype=np.float32)
     for i, rows_i in enumerate(shards, 1):
-        name = f"model.safetensors-{i:05d}-of-{total:05d}.safetensors"
+        name = shard_name(config, i, total)
         header, off = {}, 0
         for key, shape, dtype in rows_i:
             header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + nbytes(shape, dtype)]}
@@ -120,7 +130,8 @@ def write(model: str, out: Path, layers: int | None, shard_gb: float, sparse: bo
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="a folder name under ../shared/layouts, e.g. Qwen3.5-27B")
+    ap.add_argument("model", help="a folder name under the layouts folder, e.g. Qwen3.5-27B "
+                    "or Qwen3-Next-80B-A3B-Instruct")
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     ap.add_argument("--shard-gb", type=float, default=4.0)

@@ -3,8 +3,8 @@
 The recipes ship inside the package (``mtpconvert/data/recipes``, ``recipes/`` in a checkout
 links there), so ``recipe list`` and ``recipe run NAME`` work from a plain ``pip install``.
 
-A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6/3.8
-repository, options that QuantOptions/ConvertOptions accept, and the runner size it needs
+A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6/3.8 or
+Qwen3-Next repository, options that QuantOptions/ConvertOptions accept, and the runner size it needs
 (``runner``: a key of ``RUNNERS``; the publish workflow runs each recipe on that size).
 
     python -m mtpconvert.recipes matrix 'recipes/Qwen3.5-27B-*.toml' [--runner SIZE]
@@ -33,7 +33,7 @@ from .errors import OptionsError
 from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 
 BUNDLED = Path(__file__).parent / "data" / "recipes"
-REPO = re.compile(r"^Qwen/Qwen3\.[568]-[0-9A-Za-z.-]+$")
+REPO = re.compile(r"^Qwen/Qwen3(?:\.[568]|-Next)-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
         "runner", "max_shard_gb", "prefetch_shards", "raw_window_gb"}
 
@@ -77,6 +77,7 @@ class Release:
     # the two largest raw files, GB rounded up, largest first, where the table gives every file's size (the FP8
     # releases: one file per decoder layer, mtp.safetensors, outside.safetensors); else shards count at the mean
     largest_raw_gb: Tuple[float, ...] = ()
+    vocab: int = 248320  # lm_head is vocab x hidden (Qwen3.5/3.6/3.8: 248,320; Qwen3-Next: 151,936)
 
     @property
     def head_b(self) -> float:
@@ -111,13 +112,18 @@ RELEASES: Dict[str, Release] = {
     # (which it reproduces byte for byte from their BF16 tables); its file layout is not known, so only a ranged
     # fetch (raw_window_gb) can be sized
     "Qwen3.5-397B-A17B-FP8": Release(None, 4096, 13.19, 6.58, 2.15, moe=True, raw_gb=406.13),
+    # Qwen3-Next (model_type qwen3_next): 48 layers, 512 per-expert routed experts + a shared expert on every layer and
+    # in the head; the largest output tensor is one layer's stacked experts projection (512 x 512 x 2048). Thinking
+    # has the Instruct release's config (equal content) and is sized from the Instruct table
+    "Qwen3-Next-80B-A3B-Instruct": Release(41, 2048, 3.30, 1.65, 0.54, moe=True, vocab=151936),
+    "Qwen3-Next-80B-A3B-Thinking": Release(41, 2048, 3.30, 1.65, 0.54, moe=True, vocab=151936),
 }
 # runtime.decoding.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
 # before installing; a test keeps the two equal): float32 experts the smoke casts at once, plus the
 # bf16 gather they are cast from (half as much again).
 SMOKE_FLOAT32_EXPERT_BYTES = 512 << 20
 SMOKE_FLOAT32_EXPERT_GB = SMOKE_FLOAT32_EXPERT_BYTES * 1.5 / 1e9
-VOCAB = 248320
+VOCAB = 248320  # Qwen3.5/3.6/3.8 (Release.vocab is each release's)
 STREAM_SHARD_GB = 1.0  # output shard size of a recipe run (max_shard_gb, in GiB): two of them are on disk at once
 RANGED_BLOCKS_GB = 0.25  # with a raw window: the converter's blocks in flight, beyond the window
 MARGIN_GB = 1.0  # config, tokenizer, index, logs, filesystem slack
@@ -234,7 +240,7 @@ class Recipe:
     @property
     def lm_head_gb(self) -> float:
         """``lm_head`` (or the tied embedding) at the recipe's bits."""
-        return self._gb_at_bits(VOCAB * self.release.hidden / 1e9)
+        return self._gb_at_bits(self.release.vocab * self.release.hidden / 1e9)
 
     def disk_needed_gb(self) -> float:
         """Peak disk of ``recipe run --stream`` with upload and smoke: each output shard is uploaded and freed
@@ -303,8 +309,8 @@ def load_recipe(path: Path) -> Recipe:
     if unknown:
         raise OptionsError(f"unknown recipe key {unknown[0]!r}", file=path, key=unknown[0])
     if not isinstance(data.get("repo"), str) or not REPO.match(data["repo"]):
-        raise OptionsError("repo must name a Qwen/Qwen3.5-*, Qwen/Qwen3.6-* or Qwen/Qwen3.8-* repository", file=path,
-                           key="repo")
+        raise OptionsError("repo must name a Qwen/Qwen3.5-*, Qwen/Qwen3.6-*, Qwen/Qwen3.8-* or Qwen/Qwen3-Next-* "
+                           "repository", file=path, key="repo")
     types = {"revision": str, "bits": int, "group_size": int, "mtp_bits": int, "mtp": str, "q_mode": str,
              "upload_repo": str, "keep_vision": bool, "dtype": str, "runner": str}
     for key, want in types.items():

@@ -1070,3 +1070,84 @@ def test_a_skipped_fp8_mtp_file_left_in_the_cache_is_not_read(hub, tmp_path, raw
     ckpt = open_checkpoint(pull.download(pulled), absent=pulled.skipped_shards)
     assert MTP_FILE not in ckpt.shards and not any(k.startswith("mtp.") for k in ckpt.tensors)
     assert set(ckpt.absent.values()) == {MTP_FILE} and all(k.startswith("mtp.") for k in ckpt.absent)
+
+
+# ------------------------------------------------------------ Qwen3-Next (issue #29): pull-and-quantize
+
+NEXT_TINY = "Qwen/Qwen3-Next-Tiny"
+NEXT_ARGS = ["--bits", "4", "--group-size", "32", "--no-smoke"]
+
+
+@pytest.fixture()
+def next_release(hub, tmp_path):
+    """A tiny raw Qwen3-Next in the published layout, served: flat ``model.*`` keys, per-expert experts, a config
+    with no MTP count, two ``model-0000N-of-00002`` shards with every ``mtp.*`` alone in the last."""
+    from checkpoints import build_next
+
+    src = build_next(tmp_path / "next-raw", shards=2).path
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    head_shard = "model-00002-of-00002.safetensors"
+    assert {k for k, s in weight_map.items() if s == head_shard} == {k for k in weight_map if k.startswith("mtp.")}
+    hub.add_folder(NEXT_TINY, src)
+    return src, head_shard
+
+
+@pytest.mark.parametrize("fetch", [[], ["--prefetch-shards", "0"], ["--raw-window", "0.0002"]],
+                         ids=["shards", "one-shard", "ranges"])
+def test_streamed_pull_of_qwen3_next_keeps_the_whole_head(hub, next_release, tmp_path, fetch):
+    """--stream on a Qwen3-Next release: the head-only shard is fetched (whole or by ranges), the output verifies
+    with its MTP head complete (1 layer, found from the tensors: the config has no count) and every file is a local
+    `convert`'s of the same source and options, byte for byte. With --mtp drop the head's shard is not fetched."""
+    from checkpoints import convert_folder, tree_digest
+    from mtpconvert.verify import verify
+
+    src, head_shard = next_release
+    out = tmp_path / "pulled"
+    result = runner.invoke(app, ["pull-and-quantize", NEXT_TINY, str(out), "--stream", *fetch, *NEXT_ARGS])
+    assert result.exit_code == 0, result.output
+    got = [r for r in hub.log if r.method == "GET" and r.path.endswith(head_shard)]
+    assert got and (all(r.range for r in got) if "--raw-window" in fetch else any(r.range is None for r in got))
+    report = verify(out)
+    assert report.ok, [f.message for f in report.findings if f.severity == "error"]
+    assert report.model_type == "qwen3_next" and report.mtp_complete
+    assert report.mtp_layers_found == report.mtp_layers_config == 1
+    convert_folder(src, tmp_path / "local", bits=4, group_size=32)
+    assert shard_digests(out) == shard_digests(tmp_path / "local")
+    assert (out / "mtp.safetensors").is_file() and "mtp.safetensors" in shard_digests(out)
+    assert tree_digest(out / "mtp") == tree_digest(tmp_path / "local" / "mtp")  # the sidecar's weights + manifest
+    assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "local" / "config.json").read_text())
+
+    before = len(hub.log)
+    dropped = tmp_path / "dropped"
+    result = runner.invoke(app, ["pull-and-quantize", NEXT_TINY, str(dropped), "--stream", *fetch, *NEXT_ARGS,
+                                 "--mtp", "drop"])
+    assert result.exit_code == 0, result.output
+    assert not [r for r in hub.log[before:] if r.method == "GET" and r.path.endswith(head_shard)]
+    convert_folder(src, tmp_path / "local-drop", bits=4, group_size=32, mtp="drop")
+    assert shard_digests(dropped) == shard_digests(tmp_path / "local-drop")
+
+
+def test_upload_card_of_a_qwen3_next_folder(hub, next_release, tmp_path):
+    """The card of a pulled Qwen3-Next folder, as `upload` sends it: the release as base model, the qwen3_next tag,
+    the head as stored (float, 1 layer) and the command that made it; no Qwen3.5 (``language_model.``) names in what
+    the card itself states. A folder whose config has no MTP count (as the release publishes it) or a vLLM-lineage
+    ``num_nextn_predict_layers`` still gets its head's layer count."""
+    from mtpconvert.hub.card import model_card
+
+    out = tmp_path / "next-4bit"
+    result = runner.invoke(app, ["pull-and-quantize", NEXT_TINY, str(out), *NEXT_ARGS])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["upload", str(out), "me/next-4bit", "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    card = hub.repos["me/next-4bit"].files["README.md"].decode()
+    assert f"base_model: {NEXT_TINY}" in card and "- qwen3_next" in card and "base_model_relation: quantized" in card
+    stated = card.split("## MTP runtimes")[0]  # the runtime table below is mtpconvert.compat's
+    assert "| backbone | 4-bit, group 32, affine |" in stated and "| MTP head | float (" in stated
+    assert "| MTP layers | 1 |" in stated and "language_model" not in stated and "qwen3_5" not in stated
+    assert f"pull-and-quantize {NEXT_TINY} next-4bit --revision {hub.repos[NEXT_TINY].sha} --bits 4" in card
+    config = json.loads((out / "config.json").read_text())
+    assert config.pop("mtp_num_hidden_layers") == 1
+    (out / "config.json").write_text(json.dumps(config))
+    assert "| MTP layers | 1 (from its tensors: config.json has no count) |" in model_card(out, "me/next-4bit")
+    (out / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    assert "| MTP layers | 1 |" in model_card(out, "me/next-4bit")

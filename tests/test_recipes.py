@@ -28,6 +28,21 @@ from test_layouts import DERIVED_FP8, FP8_TWINS, table_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
+NEXT = ("Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Thinking")
+# releases with no vendored tensor table of their own: the one whose table they share (the same config, key for key)
+SAME_TABLE = {"Qwen3-Next-80B-A3B-Thinking": "Qwen3-Next-80B-A3B-Instruct"}
+LAYER = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat
+OUT_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")
+LM_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
+
+
+def release_checkpoint(name: str):
+    """The release's published layout as a checkpoint: its own table, or the table of the release it shares one with
+    (``SAME_TABLE``: the configs are equal)."""
+    if name in SAME_TABLE:
+        assert layouts.config(name) == layouts.config(SAME_TABLE[name])
+        return table_checkpoint(SAME_TABLE[name])
+    return table_checkpoint(name)
 
 
 def test_every_recipe_is_valid():
@@ -35,7 +50,7 @@ def test_every_recipe_is_valid():
     assert len(recipes) >= 18
     names = {r.repo for r in recipes}
     for model in ("Qwen3.5-27B", "Qwen3.5-35B-A3B", "Qwen3.5-122B-A10B", "Qwen3.5-397B-A17B", "Qwen3.6-27B",
-                  "Qwen3.6-35B-A3B", "Qwen3.8-27B"):
+                  "Qwen3.6-35B-A3B", "Qwen3.8-27B", *NEXT):
         assert f"Qwen/{model}" in names
         bits = {r.bits for r in recipes if r.repo == f"Qwen/{model}"}
         assert bits == {4, 6, 8}
@@ -51,7 +66,8 @@ def test_every_recipe_is_valid():
 
 @pytest.mark.parametrize("body, key", [
     ('repo = "meta/llama"\n', "repo"),
-    ('repo = "Qwen/Qwen3.7-27B"\n', "repo"),  # no such release: 3.5, 3.6 and 3.8 only
+    ('repo = "Qwen/Qwen3.7-27B"\n', "repo"),  # no such release: 3.5, 3.6, 3.8 and Qwen3-Next only
+    ('repo = "Qwen/Qwen3-Next-80B-A3B-Base"\n', "repo"),  # no runner sizing for it
     ('repo = "Qwen/Qwen3.5-27B"\nbits = 5\ngroup_size = 64\nq_mode = "mxfp4"\n', None),
     ('repo = "Qwen/Qwen3.5-27B"\nbits = "4"\n', "bits"),
     ('repo = "Qwen/Qwen3.5-27B"\ncolour = "red"\n', "colour"),
@@ -184,25 +200,25 @@ def test_release_numbers_are_the_vendored_layouts(name):
     leave block-FP8 scales aside; an FP8 release's raw data is its table's bytes, its two largest files those of its
     per-layer files; an FP8 release with no table of its own (DERIVED_FP8: 397B-A17B) is its BF16 table stored the
     FP8 way, whose files are not known."""
-    release, ckpt = RELEASES[name], table_checkpoint(name)
+    release, ckpt = RELEASES[name], release_checkpoint(name)
     text = ckpt.config.get("text_config", ckpt.config)
     params = {k: math.prod(t.shape) for k, t in ckpt.tensors.items() if not k.endswith(".weight_scale_inv")}
     layers = Counter()
     for key, n in params.items():
-        m = re.match(r"model\.language_model\.layers\.(\d+)\.", key)
+        m = LAYER.match(key)
         if m:
             layers[m.group(1)] += n
     plan = build_plan(ckpt)
     largest = max(math.prod(it.slot.shape) for it in plan.items)  # output tensors: fused raw experts are split
-    shards = re.search(rf"^\| {re.escape(name)} \|.*\| (\d+): ", SOURCE_MD, re.M)
+    shards = re.search(rf"^\| {re.escape(SAME_TABLE.get(name, name))} \|.*\| (\d+): ", SOURCE_MD, re.M)
     assert release.raw_shards == (None if name in DERIVED_FP8 else int(shards.group(1)))
-    assert release.hidden == text["hidden_size"] and text["vocab_size"] == VOCAB
+    assert release.hidden == text["hidden_size"] and text["vocab_size"] == release.vocab
     assert release.head_gb == round(sum(n for k, n in params.items() if k.startswith("mtp.")) * 2 / 1e9, 2)
     assert release.layer_b == round(max(layers.values()) / 1e9, 2)
     assert release.moe == ("num_experts" in text)
     # one layer's stacked routed experts projection, or lm_head / the embedding where that is larger (35B-A3B)
     experts = text.get("num_experts", 0) * text.get("moe_intermediate_size", 0) * text["hidden_size"]
-    assert release.tensor_b == round(largest / 1e9, 2) == round(max(experts, VOCAB * text["hidden_size"]) / 1e9, 2)
+    assert release.tensor_b == round(largest / 1e9, 2) == round(max(experts, release.vocab * text["hidden_size"]) / 1e9, 2)
     assert release.fc_b * 1e9 == params["mtp.fc.weight"]
     files = file_bytes(ckpt)
     fp8 = any(t.dtype == "F8_E4M3" for t in ckpt.tensors.values())
@@ -243,18 +259,18 @@ def test_recipe_sizes_are_the_converters_plan():
     output tensor, the largest two consecutive output shards (what is on disk while one uploads and the next is
     written), lm_head and the largest layer at the recipe's bits."""
     for r in list_recipes(ROOT / "recipes"):
-        plan = build_plan(table_checkpoint(r.release_name), r.options)
+        plan = build_plan(release_checkpoint(r.release_name), r.options)
         shards, layers = Counter(), Counter()
         for it in plan.items:
             shards[it.shard] += it.out_bytes
-            m = re.match(r"language_model\.model\.layers\.(\d+)\.", it.name)
+            m = OUT_LAYER.match(it.name)
             if m:
                 layers[m.group(1)] += it.out_bytes
         head = shards.pop(MTP_FILE)
         order = sorted(shards)
         pair = max(shards[a] + shards[b] for a, b in zip(order, order[1:]))
         largest = max(it.out_bytes for it in plan.items if it.shard != MTP_FILE)
-        lm_head = next(it.out_bytes for it in plan.items if it.name == "language_model.lm_head.weight")
+        lm_head = next(it.out_bytes for it in plan.items if it.name in LM_HEADS)
         name = r.path.name
         # within what Release's rounding to 0.01 (GB or billion parameters) can move a size
         assert r.head_gb == pytest.approx(head / 1e9, abs=0.006), name
@@ -389,3 +405,24 @@ def test_recipe_run_passes_the_recipes_raw_policy_when_streaming(tmp_path, monke
     api.run_recipe(window, stream=True, prefetch_shards=2)  # the caller's choice replaces the recipe's
     policy = [{k: c[k] for k in ("raw_window_gb", "prefetch_shards") if k in c} for c in calls]
     assert policy == [{"raw_window_gb": 1.5}, {"prefetch_shards": 0}, {}, {"prefetch_shards": 2}]
+
+
+def test_qwen3_next_recipes(monkeypatch):
+    """Qwen3-Next-80B-A3B Instruct and Thinking at 4/6/8-bit bf16 and 4-bit fp16, each on the standard runner holding
+    one raw shard (two would not fit); lm_head is the release's 151,936 x 2048, not Qwen3.5's vocabulary; `recipe list`
+    and the publish workflow's matrix list them."""
+    monkeypatch.chdir(ROOT)
+    recipes = [r for r in list_recipes(ROOT / "recipes") if r.release_name in NEXT]
+    assert sorted((r.release_name, r.bits, r.dtype) for r in recipes) == sorted(
+        (n, b, d) for n in NEXT for b, d in ((4, "bfloat16"), (4, "float16"), (6, "bfloat16"), (8, "bfloat16")))
+    for r in recipes:
+        dtype = {"bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+        assert r.upload_repo == f"mtpconvert/{r.release_name}-{r.bits}bit-{dtype}-mtp" and r.mtp == "keep"
+        assert r.path.stem == f"{r.release_name}-{r.bits}bit-{dtype}"
+        assert r.lm_head_gb == pytest.approx(r._gb_at_bits(151936 * 2048 / 1e9)) and r.release.vocab != VOCAB
+        assert r.runner == "standard" and r.prefetch_shards == 0 and r.raw_policy == "1 shard"
+        assert r.cli_args(stream=True)[:2] == ["pull-and-quantize", f"Qwen/{r.release_name}"]
+    jobs = workflow_matrix("recipes/Qwen3-Next-*.toml")
+    assert len(jobs) == 8 and {(j["size"], j["raw"]) for j in jobs} == {("standard", "1 shard")}
+    result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and all(f"Qwen/{n} " in result.output for n in NEXT), result.output

@@ -9,6 +9,7 @@ left out (there is no ``base_model: unknown``), never guessed.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections import Counter
 from dataclasses import dataclass
@@ -80,6 +81,21 @@ def mtp_text(f: Folder) -> str:
     rest = len(modules) - len(quantized)
     return kinds + (f" ({len(quantized)} of {len(modules)} weights; the other {rest}, e.g. norms and mtp.fc, "
                     f"{f.dtype})" if rest else "")
+
+
+# the MTP count as mtpconvert writes it, then as vLLM-lineage tools write it (e.g. into a Qwen3-Next config)
+MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+HEAD_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")
+
+
+def mtp_layers_text(f: Folder) -> str:
+    """The head's layer count: the config's, else (a config with no count, as Qwen3-Next publishes it) the layers
+    its tensors hold."""
+    for key in MTP_COUNT_KEYS:
+        if isinstance(f.text_config.get(key), int):
+            return str(f.text_config[key])
+    found = {m.group(1) for k in f.head_keys for m in [HEAD_LAYER.search(k)] if m}
+    return f"{len(found)} (from its tensors: config.json has no count)" if found else "0"
 
 
 def base_model_of(f: Folder, given: Optional[str]) -> Optional[str]:
@@ -211,7 +227,7 @@ def model_card(folder: Path, repo_id: str, *, smoke_acceptance: Optional[float] 
 |---|---|
 | backbone | {backbone_text(f)} |
 | MTP head | {mtp_text(f)} |
-| MTP layers | {f.text_config.get("mtp_num_hidden_layers", 0)} |
+| MTP layers | {mtp_layers_text(f)} |
 | verify | {verify} |
 | smoke (greedy MTP draft acceptance, depth 1) | {smoke} |
 
