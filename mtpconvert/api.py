@@ -107,7 +107,8 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwr
     def check(folder: Path) -> None:
         if publisher is not None:
             publisher.drain()  # the last shard's upload: an upload error is reported before any check runs
-        run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage, streamed=streamed)
+        run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage, streamed=streamed,
+                   contract=True)  # mtplx_runtime.json, before after_checks commits the folder to the Hub
         if after_checks is not None:
             after_checks(folder, record)
 
@@ -292,7 +293,7 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
     record = CheckRecord()
 
     def check(folder: Path) -> None:
-        run_checks(folder, checks, record, has_mtp=True, on_stage=events.stage)
+        run_checks(folder, checks, record, has_mtp=True, on_stage=events.stage, contract=True)
 
     try:
         if Path(source).is_dir():
@@ -359,11 +360,11 @@ def runtimes(path: PathLike):
 
 
 def _readable_shards(folder: Path) -> None:
-    """Every shard's header fits its file: a truncated shard is named here, not deep inside MLX's loader."""
-    from .io.header import read_header
+    """Every file the loader reads passes the folder rule and every shard's header fits its file: a truncated
+    shard or a link out of the folder is named here, not deep inside MLX's loader."""
+    from .runtime.decoding.locate import readable_folder
 
-    for shard in sorted(folder.glob("*.safetensors")):
-        read_header(shard)
+    readable_folder(folder)
 
 
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,

@@ -14,7 +14,8 @@ is acceptance above the floor and the head's MLP gain (``runtime.checks.mlp_gain
 the head layer's MLP minus without it) above its own floor, which catches a head whose MLP
 weights are scrambled (experts misordered) when its acceptance alone cannot; greedy token
 identity is reported, never failed. A failure raises ``CheckFailed`` (the finished shards stay
-in the partial folder).
+in the partial folder). Once every check passed, ``run_checks(..., contract=True)`` writes the folder's
+``mtplx_runtime.json`` from the smoke's result where it measured exact decoding (``mtplx_runtime``).
 """
 
 from __future__ import annotations
@@ -199,10 +200,15 @@ def smoke_folder(folder: Path, checks: Checks, record: CheckRecord,
 
 
 def run_checks(folder: Path, checks: Checks, record: CheckRecord, *, has_mtp: bool,
-               on_stage: Callable[[str], None] = lambda s: None, streamed=None) -> None:
+               on_stage: Callable[[str], None] = lambda s: None, streamed=None,
+               contract: bool = False) -> None:
     """The checks ``checks`` asks for, on ``folder``; findings go into ``record`` (``record.failed``
     names the check that raised, for the caller's resume advice). ``streamed``: the smoke already
-    fed the shards as they were written (``runtime.checks.streamed.StreamedLayerwise``): it finishes here."""
+    fed the shards as they were written (``runtime.checks.streamed.StreamedLayerwise``): it finishes here.
+    ``contract`` (a folder the command builds: the partial folder before its rename): once they passed,
+    write ``mtplx_runtime.json`` from the smoke, or remove one already there that nothing here measured
+    (``mtplx_runtime.write``; its note goes to ``record.notes``). ``upload`` never passes it: it does not
+    write into the folder it is given."""
     if checks.verify:
         on_stage("verifying")
         record.failed = "verify"
@@ -215,3 +221,9 @@ def run_checks(folder: Path, checks: Checks, record: CheckRecord, *, has_mtp: bo
         else:
             smoke_folder(folder, checks, record, on_stage)
     record.failed = None
+    if contract:
+        from .mtplx_runtime import write
+
+        note = write(folder, record, has_mtp=has_mtp)
+        if note:
+            record.notes.append(note)

@@ -21,6 +21,7 @@ from .errors import LayoutError
 from .execute.blocks import produce
 from .hub.sparse import fetch_sparse
 from .io.checkpoint import INDEX_NAME, MTP_FILE, open_checkpoint
+from .io.files import contained
 from .io.output_folder import OutputFolder
 from .io.reader import TensorReader
 from .io.shard_writer import StreamingShardWriter
@@ -85,9 +86,10 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
     head_file = MTP_FILE if sidecar else IN_MODEL_SHARD
     added: List[str] = []
     with OutputFolder(mlx_dir, overwrite=True) as folder:
-        for p in mlx_dir.iterdir():
-            if p.is_file() and p.name not in ("config.json", INDEX_NAME):
-                os.link(p, folder.path(p.name))
+        for p in sorted(mlx_dir.iterdir()):
+            if p.is_dir() or p.name in ("config.json", INDEX_NAME):
+                continue
+            os.link(contained(mlx_dir, p.name), folder.path(p.name))  # never a FIFO or a file outside the folder
         specs = [s for it in items for s in it.outputs()]
         writer = StreamingShardWriter(folder.path(head_file), specs, {"format": "mlx"})
         reader = TensorReader()
@@ -103,14 +105,15 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
         finally:
             reader.close()
 
-        folder.write_json("config.json", _head_config(existing.config, plan))
+        config = _head_config(existing.config, plan)
+        folder.write_json("config.json", config)
         index = json.loads((mlx_dir / INDEX_NAME).read_text()) if (mlx_dir / INDEX_NAME).exists() else {
             "metadata": {}, "weight_map": {k: s for s in existing.shards for k in existing.headers[s].tensors}}
         meta = index.setdefault("metadata", {})
         meta.setdefault("mtpconvert", {})["mtp_grafted"] = {"mtp_policy": quant.mtp, "mtp_layers": plan.mtp_layers,
                                                             "mtp_layout": mtp_layout}
         if sidecar:
-            link_head(folder)
+            link_head(folder, config)
         else:
             meta["total_size"] = int(meta.get("total_size", 0)) + sum(s.nbytes for s in specs)
             index["weight_map"] = dict(sorted({**index["weight_map"], **{k: head_file for k in added}}.items()))

@@ -17,13 +17,14 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 
 from .errors import ConvertError, LayoutError
-from .io.checkpoint import Checkpoint, open_checkpoint
+from .io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint, open_checkpoint
 from .io.header import mlx_dtype_name
 from .io.reader import TensorReader
 from .families import family_for
 from .families.base import CONV, FC, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot, text_config
 from .plan import fp8
 from .plan.head import SIDECAR_PREFIX
+from .verify_files import add_runtime_table, check_drafter_config, check_finite, check_head_files, check_manifests
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 # Classification of a norm vector by its mean: raw zero-centred weights sit near 0,
@@ -78,7 +79,7 @@ def verify(path: Path, deep: bool = False) -> Report:
     """Check a folder from its headers; ``deep`` also reads every float tensor for NaN/Inf."""
     report = Report(path=str(path))
     try:
-        ckpt = open_checkpoint(Path(path))
+        ckpt = open_checkpoint(Path(path), head_files=False)  # their problems: findings (_check_head_files)
     except ConvertError as e:
         report.add(e.code, ERROR, e.detail, e.key, e.file)
         return report
@@ -101,45 +102,17 @@ def verify(path: Path, deep: bool = False) -> Report:
     _check_tensors(ckpt, family, spec, raw, report)
     _check_norms(ckpt, family, raw, report)
     _check_config(ckpt, spec, report)
+    if report.layout == "head-only":  # OUT/mtp: its config is the model's, naming files of the model folder
+        if deep:
+            check_finite(ckpt, report)
+        return report
+    check_head_files(ckpt, report)
+    check_manifests(ckpt.root, report)
+    check_drafter_config(ckpt.root, ckpt.config, report)
     if deep:
-        _check_finite(ckpt, report)
-    _add_runtime_table(Path(path), report)
+        check_finite(ckpt, report)
+    add_runtime_table(Path(path), report)
     return report
-
-
-def _add_runtime_table(path: Path, report: Report) -> None:
-    """Which MTP runtimes can use the folder (headers only). Its verdicts are information; a file the
-    runtimes would read that cannot be read is a finding, never a table that silently goes missing."""
-    from .compat import check_folder
-
-    try:
-        table = check_folder(path)
-    except (OSError, ValueError) as e:
-        report.add("runtime-files", ERROR, f"the files MTP runtimes read cannot be read: {e}")
-        return
-    report.mtp_layout, report.runtimes = table.layout, table.runtimes
-
-
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
-def _check_finite(ckpt: Checkpoint, report: Report) -> None:
-    """Read each float tensor once (one shard mapped at a time) and name any holding NaN or Inf."""
-    reader = TensorReader()
-    try:
-        by_file: Dict[Path, List[str]] = defaultdict(list)
-        for key, info in ckpt.tensors.items():
-            if info.dtype in FLOAT_DTYPES:
-                by_file[info.file].append(key)
-        for file in sorted(by_file):
-            for key in sorted(by_file[file]):
-                arr = reader.read(ckpt.tensors[key])
-                nan, inf = (int(mx.sum(f(arr)).item()) for f in (mx.isnan, mx.isinf))
-                if nan or inf:
-                    report.add("non-finite", ERROR, f"{nan} NaN and {inf} Inf values", key, file)
-            reader.release(file)
-    finally:
-        reader.close()
 
 
 def _check_sources(ckpt: Checkpoint, report: Report) -> None:
@@ -161,6 +134,20 @@ def canonical_module(module: str, family: Family) -> str:
 def sidecar_module(module: str, family: Family) -> str:
     """A canonical head module under its sidecar name (``mtp.X``)."""
     return SIDECAR_PREFIX + module[len(family.head_prefix):]
+
+
+def _config_file(ckpt: Checkpoint) -> Path:
+    return ckpt.root / "config.json"
+
+
+def _mtp_count_key(ckpt: Checkpoint) -> str:
+    return ("text_config." if isinstance(ckpt.config.get("text_config"), dict) else "") + "mtp_num_hidden_layers"
+
+
+def _file_of(ckpt: Checkpoint, key: Optional[str]):
+    """The file holding ``key`` (None when the folder has no such tensor)."""
+    info = ckpt.tensors.get(key) if key else None
+    return info.file if info is not None else None
 
 
 def _stored_weight(ckpt: Checkpoint, module: str, family: Family) -> Optional[str]:
@@ -202,15 +189,16 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
     if spec.mtp_layers is None and any_mtp:
         report.add("mtp-count-missing", WARNING,
                    f"config.json has no mtp_num_hidden_layers but the folder has {n_mtp} MTP layer(s); runtimes "
-                   "read the count from the config (mtpconvert convert writes it)")
+                   "read the count from the config (mtpconvert convert writes it)", _mtp_count_key(ckpt), _config_file(ckpt))
     if spec.mtp_layers and not any_mtp:
         report.add("mtp-missing", ERROR,
                    f"config.json says mtp_num_hidden_layers={spec.mtp_layers} but the folder has no mtp.* "
                    "weights (stock mlx_lm.convert drops them); re-convert with mtpconvert, or set "
-                   "mtp_num_hidden_layers to 0")
+                   "mtp_num_hidden_layers to 0", _mtp_count_key(ckpt), _config_file(ckpt))
     elif n_mtp != claimed and any_mtp:
         report.add("mtp-count", ERROR,
-                   f"folder has {n_mtp} MTP layer(s), config.json says {spec.mtp_layers}")
+                   f"folder has {n_mtp} MTP layer(s), config.json says {spec.mtp_layers}", _mtp_count_key(ckpt),
+                   _config_file(ckpt))
 
     slots = family.expected_slots(spec, max(n_mtp, claimed if any_mtp else 0))
     style = report.layout
@@ -224,11 +212,20 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
             _check_experts(ckpt, family, slot, contribs, spec, report)
             continue
         _check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
+    head_only = any_mtp and all(family.is_head(t) for t in targets)
+    if head_only:
+        report.layout = "head-only"
+        report.add("head-only", INFO, "the MTP head alone, no backbone: a drafter folder, used next to its model "
+                   "(mlx-vlm: --model OUT --draft-model OUT/mtp); `mtpconvert verify OUT` checks it with its model "
+                   "and gives the runtime table", file=ckpt.root)
     for slot in missing:
         code = "mtp-incomplete" if slot.group == MTP and any_mtp else "tensor-missing"
         if slot.group == MTP and not any_mtp:
             continue  # reported once as mtp-missing
-        report.add(code, ERROR, f"missing {slot.name}", family.source_name(slot.name, style))
+        if head_only and slot.group != MTP:
+            continue  # a drafter folder has no backbone to miss
+        report.add(code, ERROR, f"missing {slot.name}", family.source_name(slot.name, style),
+                   _missing_file(ckpt, slot.group == MTP))
     report.mtp_complete = any_mtp and not any(s.group == MTP for s in missing) and n_mtp == claimed
 
     tie = spec.tie_word_embeddings
@@ -252,6 +249,13 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
     report.dtypes = {g: dict(c) for g, c in dtypes.items()}
 
 
+def _missing_file(ckpt: Checkpoint, head: bool) -> Path:
+    """Where a missing tensor was looked for: the head's sidecar, else the index, else the folder."""
+    if head and MTP_FILE in ckpt.headers:
+        return ckpt.root / MTP_FILE
+    return ckpt.root / INDEX_NAME if ckpt.index_map is not None else ckpt.root
+
+
 def _check_experts(ckpt, family: Family, slot: Slot, contribs, spec, report: Report) -> None:
     per_expert = [c for c in contribs if c.part is Gather.STACK]
     if per_expert:
@@ -260,17 +264,18 @@ def _check_experts(ckpt, family: Family, slot: Slot, contribs, spec, report: Rep
             # itself; which runtimes take it is the compatibility table's business
             report.add("mtp-moe-per-expert", INFO,
                        f"experts of {slot.module} are stored per expert (the mlx-lm PR #990 form)",
-                       per_expert[0].source)
+                       per_expert[0].source, _file_of(ckpt, per_expert[0].source))
         elif family.key_style(contribs[0].source) == MLX:
             report.add("moe-unstacked", ERROR,
                        f"experts of {slot.module} are stored per expert; MLX runtimes need stacked "
-                       "switch_mlp weights", per_expert[0].source)
+                       "switch_mlp weights", per_expert[0].source, _file_of(ckpt, per_expert[0].source))
         have = {c.index for c in per_expert}
         for e in range(spec.num_experts):
             if e not in have:
                 key = re.sub(r"\.experts\.\d+\.", f".experts.{e}.", per_expert[0].source)
                 report.add("expert-missing", ERROR,
-                           f"expert {e} of {spec.num_experts} is missing for {slot.module}", key)
+                           f"expert {e} of {spec.num_experts} is missing for {slot.module}", key,
+                           _file_of(ckpt, per_expert[0].source))
                 break
         return
     c = contribs[0]
@@ -280,10 +285,12 @@ def _check_experts(ckpt, family: Family, slot: Slot, contribs, spec, report: Rep
     got = info.shape
     if info.dtype == "U32":  # quantized stack: compare all but the packed axis
         if got[:-1] != want[:-1]:
-            report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match {list(want)} (packed)", c.source)
+            report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match {list(want)} (packed)", c.source,
+                       info.file)
         return
     if got != want:
-        report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match the config {list(want)}", c.source)
+        report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match the config {list(want)}", c.source,
+                   info.file)
 
 
 def _check_shape(ckpt, slot: Slot, key: str, raw: bool, aux, report: Report) -> None:
@@ -293,7 +300,8 @@ def _check_shape(ckpt, slot: Slot, key: str, raw: bool, aux, report: Report) -> 
         want = (slot.shape[0], 1, slot.shape[1])
     if aux and "scales" in aux:
         if info.shape[:-1] != want[:-1]:
-            report.add("shape-mismatch", ERROR, f"packed shape {list(info.shape)} does not match {list(want)}", key)
+            report.add("shape-mismatch", ERROR, f"packed shape {list(info.shape)} does not match {list(want)}", key,
+                       info.file)
         return
     if info.shape != want:
         report.add("shape-mismatch", ERROR, f"shape {list(info.shape)} does not match the config {list(want)}",
@@ -321,27 +329,35 @@ def _check_quantization(ckpt: Checkpoint, family: Family, slots: Dict[str, Slot]
     block = ckpt.config.get("quantization")
     if block is None:
         block = text_config(ckpt.config).get("quantization")
+    config_file = _config_file(ckpt)
+    if block is not None and not isinstance(block, dict):
+        report.add("quant-config-invalid", ERROR, f"the quantization block must be a JSON object, not {block!r}",
+                   "quantization", config_file)
+        return
     summary: Dict[str, Counter] = defaultdict(Counter)
     by_module = {s.module: s for s in slots.values()}
     for module, parts in aux.items():
         if module not in by_module:
-            report.add("tensor-unexpected", ERROR, "quantization scales for an unknown module", parts.get("scales"))
+            report.add("tensor-unexpected", ERROR, "quantization scales for an unknown module", parts.get("scales"),
+                       _file_of(ckpt, parts.get("scales")))
     for slot in slots.values():
         if slot.kind not in QUANTIZABLE:
             continue
         have = infer_quant(ckpt, family, slot, aux.get(slot.module, {}))
+        stored = _stored_weight(ckpt, slot.module, family) or slot.module + ".weight"
         summary[slot.group]["unquantized" if have is None else f"{have['bits']}b/g{have['group_size']}/{have['mode']}"] += 1
         if slot.kind == FC and have is not None:
             report.add("mtp-fc-quantized", ERROR,
                        f"mtp.fc is quantized ({have['bits']} bits); it mixes embedding and hidden state and "
-                       "must stay unquantized", slot.module + ".weight")
+                       "must stay unquantized", stored, _file_of(ckpt, stored))
         if have is not None and have["mode"] == "invalid":
-            report.add("quant-invalid", ERROR, "scales/weight shapes match no quantization mode", slot.module + ".weight")
+            report.add("quant-invalid", ERROR, "scales/weight shapes match no quantization mode", stored,
+                       _file_of(ckpt, stored))
             continue
         if block is None:
             if have is not None:
                 report.add("quant-config-mismatch", ERROR,
-                           "weights are quantized but config.json has no quantization block", slot.module + ".weight")
+                           "weights are quantized but config.json has no quantization block", stored, config_file)
             continue
         declared = block.get(slot.module, block.get(sidecar_module(slot.module, family)) if slot.group == MTP else None)
         if declared is None:
@@ -352,17 +368,17 @@ def _check_quantization(ckpt: Checkpoint, family: Family, slots: Dict[str, Slot]
         if declared is False:
             if have is not None:
                 report.add("quant-config-mismatch", ERROR, "config says unquantized but the weights carry scales",
-                           slot.module + ".weight")
+                           stored, config_file)
             continue
         if have is None:
             report.add("quant-config-mismatch", ERROR,
-                       f"config says {declared.get('bits')}-bit but the weight has no scales", slot.module + ".weight")
+                       f"config says {declared.get('bits')}-bit but the weight has no scales", stored, config_file)
             continue
         want = (declared.get("bits"), declared.get("group_size"), declared.get("mode") or "affine")
         if want != (have["bits"], have["group_size"], have["mode"]):
             report.add("quant-config-mismatch", ERROR,
                        f"config says {want[0]}b/g{want[1]}/{want[2]} but the weights are "
-                       f"{have['bits']}b/g{have['group_size']}/{have['mode']}", slot.module + ".weight")
+                       f"{have['bits']}b/g{have['group_size']}/{have['mode']}", stored, config_file)
     report.quantization = {g: dict(c) for g, c in summary.items()}
 
 
@@ -397,16 +413,18 @@ def _check_norms(ckpt: Checkpoint, family: Family, raw: bool, report: Report) ->
             state = classify_norm(centre)
             report.norms[group] = state
             report.norm_means[group] = round(centre, 4)
+            where = (keys[0], ckpt.tensors[keys[0]].file)
             if raw and state != "zero-centred":
                 report.add("norm-double-shift", ERROR,
                            f"{group} norms are raw layout but centred near {centre:.2f}: they were already "
-                           "shifted, and converting would add 1 a second time")
+                           "shifted, and converting would add 1 a second time", *where)
             elif not raw and state == "zero-centred":
                 report.add("norm-unshifted", ERROR,
-                           f"{group} norms are MLX layout but centred near {centre:.2f}: the +1 shift is missing")
+                           f"{group} norms are MLX layout but centred near {centre:.2f}: the +1 shift is missing",
+                           *where)
             elif not raw and state == "double-shifted":
                 report.add("norm-double-shift", ERROR,
-                           f"{group} norms are centred near {centre:.2f}: +1 was applied twice")
+                           f"{group} norms are centred near {centre:.2f}: +1 was applied twice", *where)
 
 
 def _check_config(ckpt: Checkpoint, spec, report: Report) -> None:
@@ -414,8 +432,9 @@ def _check_config(ckpt: Checkpoint, spec, report: Report) -> None:
     if "tie_word_embeddings" not in tc and ckpt.config.get("tie_word_embeddings"):
         report.add("tie-top-level", WARNING,
                    "tie_word_embeddings=true only at the top level; mlx-lm reads text_config and would expect "
-                   "an lm_head (mtpconvert writes it into text_config)")
+                   "an lm_head (mtpconvert writes it into text_config)", "tie_word_embeddings", _config_file(ckpt))
     if report.layout == MLX and ckpt.index_map is not None:
         fmt = ckpt.index_metadata.get("format")
         if fmt not in (None, "mlx"):
-            report.add("index-format", WARNING, f"index metadata format is {fmt!r}, expected 'mlx'")
+            report.add("index-format", WARNING, f"index metadata format is {fmt!r}, expected 'mlx'", "metadata.format",
+                       ckpt.root / INDEX_NAME)

@@ -4,6 +4,7 @@ fall, and only one layer's weights are resident at a time."""
 import gc
 import glob
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,9 @@ def rewrite(src: Path, dst: Path, fn, config_fn=None) -> Path:
     shutil.copytree(src, dst)
     for f in glob.glob(str(dst / "model*.safetensors")) + glob.glob(str(dst / "mtp.safetensors")):
         mx.save_safetensors(f, fn(dict(mx.load(f))), metadata={"format": "mlx"})
+    if (dst / "mtp" / "weights.safetensors").exists():  # the link vllm-mlx reads: the same bytes, as convert writes it
+        (dst / "mtp" / "weights.safetensors").unlink()
+        os.link(dst / "mtp.safetensors", dst / "mtp" / "weights.safetensors")
     index = dst / "model.safetensors.index.json"
     if index.exists():
         idx = json.loads(index.read_text())

@@ -172,3 +172,31 @@ def test_unknown_mtp_layout_is_refused(tmp_path):
                                       "beside"])
     assert result.exit_code == 2 and "--mtp-layout" in result.output
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ mtp/ as a drafter folder (--draft-model OUT/mtp)
+
+
+def test_mtp_folder_is_a_drafter_with_the_models_own_config(tmp_path):
+    """mtp/ holds the model's config beside weights.safetensors: mlx-vlm's splitter for that model type reads the head
+    there as written (format mlx). The table says so, and says why when the config is not the model's."""
+    import json
+
+    from mtpconvert.compat import check_folder
+    from mtpconvert.verify import verify
+
+    out = tmp_path / "o"
+    convert_folder(fixture_path("dense"), out, dtype="float32")
+    assert (out / "mtp" / "config.json").read_bytes() == (out / "config.json").read_bytes()
+    row = check_folder(out).get("mlx-vlm-drafter")
+    assert row.backbone_exact.ok and row.head_usable.ok, row
+    assert verify(out / "mtp").layout == "head-only" and verify(out / "mtp").ok
+
+    config = json.loads((out / "mtp" / "config.json").read_text())
+    config["model_type"] = "qwen3_5_mtp"  # mlx-vlm's own drafter type: its sanitize would shift the norms again
+    (out / "mtp" / "config.json").write_text(json.dumps(config))
+    row = check_folder(out).get("mlx-vlm-drafter")
+    assert not row.head_usable.ok and "second time" in row.head_usable.reason
+    report = verify(out)
+    assert report.ok and "drafter-config" in {f.code for f in report.findings}  # a warning: this route only
+    assert check_folder(out).get("mlx-vlm").head_usable.ok  # the model folder's own route is unaffected

@@ -394,12 +394,10 @@ def test_two_runs_give_byte_identical_output(raw_checkpoints, tmp_path):
 @pytest.mark.parametrize("special, command, expected", [
     ("mtp.safetensors", "smoke", "is a FIFO"),
     ("mtp.safetensors", "verify", "is a FIFO"),
-    ("mtp/weights.safetensors", "verify", "runtime-files"),
+    ("mtp/weights.safetensors", "verify", "is a FIFO"),
 ])
 def test_a_fifo_in_place_of_a_head_file_is_named_not_waited_on(tmp_path, special, command, expected):
-    """A FIFO where a head file belongs used to block smoke and verify forever (open() waits for a writer):
-    every header reader checks for a regular file first; verify turns an unreadable runtime file into a
-    finding instead of dropping the runtime table."""
+    """A FIFO where a head file belongs is named, not opened (open() would wait for a writer forever)."""
     from mtpconvert.fixture import DENSE
 
     out = tmp_path / "out"
@@ -412,3 +410,177 @@ def test_a_fifo_in_place_of_a_head_file_is_named_not_waited_on(tmp_path, special
     assert proc.returncode != 0 and expected in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     assert str(out / special) in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- the head files of a converted folder agree
+
+
+@pytest.fixture(scope="module")
+def converted_dense(tmp_path_factory):
+    from mtpconvert.fixture import DENSE
+
+    out = tmp_path_factory.mktemp("conv") / "out"
+    result = runner.invoke(app, ["convert", str(DENSE), str(out), "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def converted_copy(converted_dense, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(converted_dense, out)
+    (out / "mtp" / "weights.safetensors").unlink()
+    os.link(out / "mtp.safetensors", out / "mtp" / "weights.safetensors")  # as convert writes it
+    return out
+
+
+def cli(*args):
+    result = runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "400"})
+    return result.exit_code, result.output
+
+
+def zeroed(blob: bytes, key: str) -> bytes:
+    """A safetensors file with the bytes of one tensor zeroed: still valid, a different head."""
+    n = struct.unpack("<Q", blob[:8])[0]
+    a, b = json.loads(blob[8: 8 + n])[key]["data_offsets"]
+    return blob[: 8 + n + a] + bytes(b - a) + blob[8 + n + b:]
+
+
+def test_verify_refuses_a_head_link_with_other_bytes(converted_dense, tmp_path):
+    """vllm-mlx reads mtp/weights.safetensors, the others mtp.safetensors: other bytes there used to pass
+    verify (exit 0, "head injected")."""
+    out = converted_copy(converted_dense, tmp_path)
+    link = out / "mtp" / "weights.safetensors"
+    link.unlink()
+    link.write_bytes(zeroed((out / "mtp.safetensors").read_bytes(), "mtp.fc.weight"))
+    code, output = cli("verify", out)
+    assert code == 1 and "mtp-link" in output and str(link) in output and "[mtp.fc.weight]" in output, output
+    code, output = cli("smoke", out)
+    assert code != 0 and str(link) in output, output
+    link.unlink()
+    shutil.copy(out / "mtp.safetensors", link)  # an exact copy is as good as a link
+    assert cli("verify", out)[0] == 0
+
+
+def test_verify_names_a_head_link_to_a_non_safetensors_file(converted_dense, tmp_path):
+    """Used to exit 0 with the whole runtime table silently gone."""
+    out = converted_copy(converted_dense, tmp_path)
+    link = out / "mtp" / "weights.safetensors"
+    link.unlink()
+    link.symlink_to("../tokenizer.json")
+    code, output = cli("verify", out)
+    assert code == 1 and str(link) in output and "FAILED" in output, output
+    report = verify(out)
+    assert {f.code for f in report.findings if f.severity == "error"} == {"mtp-link"}
+    assert [f.file for f in report.findings] == [str(link)]
+
+
+def test_verify_refuses_a_head_in_the_sidecar_and_the_shards(converted_dense, tmp_path):
+    """Used to say "MTP-consistent" with only a mixed: layout label."""
+    out = converted_copy(converted_dense, tmp_path)
+    shard = out / "model-00001-of-00001.safetensors"
+    weights = mx.load(str(shard))
+    head = mx.load(str(out / "mtp.safetensors"))
+    weights.update({"language_model." + k: v for k, v in head.items()})
+    shard.unlink()
+    mx.save_safetensors(str(shard), weights, {"format": "mlx"})
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({"language_model." + k: shard.name for k in head})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, output = cli("verify", out)
+    assert code == 1 and "mtp-two-places" in output and str(out / "mtp.safetensors") in output, output
+    assert "language_model.mtp." in output  # the key, in the shards
+    for command in (["smoke", out], ["convert", out, tmp_path / "again", "--no-smoke"]):
+        code, output = cli(*command)
+        assert code != 0 and "two places" in output, output
+
+
+def test_verify_refuses_a_manifest_that_lies_about_the_norms(converted_dense, tmp_path):
+    out = converted_copy(converted_dense, tmp_path)
+    manifest = out / "mtp" / "manifest.json"
+    manifest.write_text(json.dumps({"artifact_schema_version": 1, "rmsnorm_weight_format": "hf_zero_centered"}))
+    code, output = cli("verify", out)
+    assert code == 1 and "manifest-norms" in output and str(manifest) in output, output
+    assert "rmsnorm_weight_format" in output
+    manifest.write_text("{not json")
+    code, output = cli("verify", out)
+    assert code == 1 and "manifest-invalid" in output and str(manifest) in output, output
+
+
+def _header_length(blob: bytes, n: int) -> bytes:
+    return struct.pack("<Q", n) + blob[8:]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "absurd", "not-json"])
+def test_a_broken_sidecar_is_named_in_the_normal_output(converted_dense, tmp_path, damage):
+    """verify's normal (not --json) output used to give the key or nothing, not the file."""
+    out = converted_copy(converted_dense, tmp_path)
+    sidecar = out / "mtp.safetensors"
+    blob = sidecar.read_bytes()
+    sidecar.unlink()
+    sidecar.write_bytes({"truncated": blob[:100], "absurd": _header_length(blob, 2**62),
+                         "not-json": blob[:8] + b"\xff" + blob[9:]}[damage])
+    for command in ("verify", "smoke"):
+        code, output = cli(command, out)
+        assert code != 0 and f"(file {sidecar}" in output, output
+
+
+def test_smoke_and_bench_refuse_a_sidecar_linking_out_of_the_folder(converted_dense, tmp_path):
+    """smoke used to follow the link: a header length read from a token file, or another model's head passing."""
+    out = converted_copy(converted_dense, tmp_path)
+    elsewhere = tmp_path / "other-head.safetensors"
+    shutil.copy(out / "mtp.safetensors", elsewhere)  # a valid head, just not this folder's
+    (out / "mtp.safetensors").unlink()
+    (out / "mtp.safetensors").symlink_to(elsewhere)
+    for command in (["smoke", out], ["bench", out, "--max-tokens", "1"], ["verify", out],
+                    ["convert", out, tmp_path / "again", "--no-smoke"]):
+        code, output = cli(*command)
+        assert code != 0 and "resolves outside" in output and str(out / "mtp.safetensors") in output, output
+    assert not (tmp_path / "again").exists()
+
+
+def test_smoke_reads_the_head_config_names(converted_dense, tmp_path, monkeypatch):
+    """smoke used to look for mtp.safetensors only, whatever config's mlx_lm_extra_tensors.mtp_file said."""
+    import mtpconvert.runtime.checks.smoke as smoke_mod
+
+    monkeypatch.setattr(smoke_mod, "teacher_forced_mlp_gain", lambda *a, **k: None)  # the head's quality: test_smoke
+    out = converted_copy(converted_dense, tmp_path)
+    (out / "mtp.safetensors").rename(out / "draft.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["mlx_lm_extra_tensors"]["mtp_file"] = "draft.safetensors"
+    (out / "config.json").write_text(json.dumps(config))
+    smoke = ["smoke", out, "--max-tokens", "2", "-p", "a", "--min-acceptance", "0"]
+    assert cli("verify", out)[0] == 0
+    code, output = cli(*smoke)
+    assert code == 0, output
+    (out / "draft.safetensors").unlink()
+    code, output = cli(*smoke)
+    assert code != 0 and "mlx_lm_extra_tensors.mtp_file" in output and "config.json" in output, output
+
+
+def test_config_head_fields_must_be_true_of_the_file(converted_dense, tmp_path):
+    out = converted_copy(converted_dense, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    config["mlx_lm_extra_tensors"]["mtp_tensor_count"] += 1
+    (out / "config.json").write_text(json.dumps(config))
+    for command in (["verify", out], ["smoke", out], ["convert", out, tmp_path / "again", "--no-smoke"]):
+        code, output = cli(*command)
+        assert code != 0 and "mlx_lm_extra_tensors.mtp_tensor_count" in output and "config.json" in output, output
+
+
+def test_add_mtp_and_upload_never_take_a_file_from_outside_the_folder(tmp_path):
+    """add-mtp hard-linked every file of the folder into the new one, links to outside included; upload
+    sent them to the Hub."""
+    from mtpconvert.fixture import DENSE
+    from mtpconvert.hub.upload import folder_operations
+
+    out = tmp_path / "nohead"
+    assert cli("convert", DENSE, out, "--no-smoke", "--mtp", "drop")[0] == 0
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for the hub")
+    (out / "notes.txt").symlink_to(secret)
+    with pytest.raises(ConvertError, match="resolves outside"):
+        folder_operations(out, None)
+    before = sorted(p.name for p in out.iterdir())
+    code, output = cli("add-mtp", DENSE, out, "--no-smoke")
+    assert code != 0 and "resolves outside" in output and str(out / "notes.txt") in output, output
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -8,7 +8,8 @@ Sources: the four bundled fixtures, and the tests' raw builders (VLM wrapper wit
 published-style experts, tied embeddings, bf16, two MTP layers, a config that omits the MTP count).
 Options: float (source dtype, bf16, f16), affine 4/8-bit, mxfp8, ``--mtp match``, ``--mtp-bits``,
 ``--mtp drop``, the in-model layout, ``--keep-vision``. Conversions run through ``execute`` with no
-post-checks (checks read a folder, they do not change it).
+post-checks (checks read a folder; the one file they add, ``mtplx_runtime.json`` after a passing full
+smoke, holds a timestamp and is not a conversion output).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ weight_map files when there is an index, else every root ``*.safetensors``), pla
 same ids. Drafter statistics: ``draft_lens`` (proposed) and ``accept_lens`` (accepted).
 
 ``--drafter DIR`` (optional, after the standard arguments) loads the head from a separate
-drafter folder instead (``model_type: qwen3_5_mtp``, unprefixed keys).
+drafter folder instead: ``OUT/mtp`` (the model's config beside ``weights.safetensors``), or one
+``mlx_vlm convert --mtp`` wrote (``model_type: qwen3_5_mtp``, unprefixed keys).
 """
 
 import sys
@@ -78,7 +79,7 @@ def body(folder, prompts, max_tokens, result):
     result["detail"]["draft_kind"] = kind
     result["detail"]["drafter_class"] = type(drafter).__name__
     result["detail"]["drafter_quantized"] = quantized_modules(drafter)
-    result["head_norm_mean"] = {"file": file_head_norm_mean(folder) if DRAFTER is None else None,
+    result["head_norm_mean"] = {"file": file_head_norm_mean(folder),  # the model folder's head, either route
                                 "loaded": round(float(drafter.norm.weight.astype(mx.float32).mean()), 4)}
     mtp_out, proposed, accepted = [], 0, 0
     for p in prompts:

@@ -25,6 +25,9 @@ mtplx's CLI and server need macOS; its Python API runs on Linux except for one i
 (``mach_continuous_time``). On other systems this probe answers that one library with a stand-in
 built on ``time.monotonic_ns`` (recorded as ``detail.clock_stand_in``); nothing that loads
 weights or decodes is replaced.
+
+``detail.tier`` is mtplx's own label for the folder (``verified`` with a valid ``mtplx_runtime.json``,
+``family-compatible-unverified`` without one): what ``mtplx inspect-model DIR --json`` reports.
 """
 
 from __future__ import annotations
@@ -112,6 +115,29 @@ def _head_detail(text_model) -> dict:
             "head_pre_fc_norm_hidden_mean": _norm_mean(mtp.pre_fc_norm_hidden)}
 
 
+def _label(folder: Path, result: dict) -> None:
+    """mtplx's own verdict on the folder, as ``mtplx inspect-model DIR --json`` prints it (cli.py:1126:
+    ``artifacts.inspect_model(DIR).compatibility``): its tier, and what it made of ``mtplx_runtime.json``;
+    ``serve_depth``: the draft depth ``mtplx serve`` would default to (commands/public.py
+    ``_model_contract_depth``, which caps its default depth 3 at the contract's ``mtp_depth_max``)."""
+    from mtplx.artifacts import inspect_model
+
+    inspection = inspect_model(str(folder))
+    c = inspection.compatibility or {}
+    result["detail"]["tier"] = c.get("tier")
+    result["detail"]["inspect"] = {k: c.get(k) for k in ("arch_id", "can_run", "unverified_model", "mtp_supported",
+                                                         "support_level", "recommended_profile",
+                                                         "runtime_contract_error", "message")}
+    result["detail"]["inspect"]["runtime_contract"] = c.get("runtime_contract") is not None
+    try:
+        from mtplx.commands.public import _model_contract_depth
+
+        result["detail"]["serve_depth"] = _model_contract_depth(inspection.to_dict(), profile="sustained",
+                                                                fallback=3)
+    except Exception as e:  # noqa: BLE001 - a private helper: its absence is not the probe's failure
+        result["detail"]["serve_depth"] = f"{type(e).__name__}: {e}"[:200]
+
+
 def body(folder: Path, prompts, max_tokens: int, result: dict, tap: _LogTap) -> None:
     from importlib.metadata import version
 
@@ -123,6 +149,10 @@ def body(folder: Path, prompts, max_tokens: int, result: dict, tap: _LogTap) -> 
     from mtplx.runtime import load
     from mtplx.sampling import SamplerConfig
 
+    try:
+        _label(folder, result)
+    except Exception as e:  # noqa: BLE001 - the label is a side finding: decoding is still probed
+        result["detail"]["tier"] = f"inspect-model failed: {type(e).__name__}: {e}"[:300]
     greedy = SamplerConfig(temperature=0.0, top_p=1.0, top_k=0)
     load_error = None
     try:

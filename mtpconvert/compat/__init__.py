@@ -2,7 +2,8 @@
 
 ``compat(folder)`` is a pure function of a :class:`Folder` snapshot (``config.json``, the index,
 every safetensors *header* at the root and under ``mtp/``, and the ``manifest.json`` files next
-to the head files); no tensor data is read. For each runtime it answers two questions:
+to the head files); no tensor data is read. (One exception: mtplx's row also reads the folder's
+``mtplx_runtime.json`` from ``Folder.path``, for the label mtplx gives it: :func:`.mtplx.read_contract`.) For each runtime it answers two questions:
 
 * ``backbone_exact``: does the runtime load the backbone exactly as written?  (The known trap:
   mlx-lm 0.30.7-0.31.x adds +1 to every backbone RMSNorm a second time when any key of a
@@ -46,13 +47,14 @@ CONTRACTS: Dict[str, Contract] = {
     mlx_lm.OLD[0]: mlx_lm.compat_old,
     mlx_lm.NEW[0]: mlx_lm.compat_new,
     mlx_vlm.NAME: mlx_vlm.compat,
+    mlx_vlm.DRAFTER_ROUTE: mlx_vlm.compat_drafter_route,
     mtplx.NAME: mtplx.compat,
     rapid_mlx.NAME: rapid_mlx.compat,
     vllm_mlx.NAME: vllm_mlx.compat,
     pr990.NAME: pr990.compat,
 }
 
-# ("mlx-lm<0.32", "mlx-lm>=0.32", "mlx-vlm", "mtplx", "rapid-mlx", "vllm-mlx", "mlx-lm-pr990")
+# ("mlx-lm<0.32", "mlx-lm>=0.32", "mlx-vlm", "mlx-vlm-drafter", "mtplx", "rapid-mlx", "vllm-mlx", "mlx-lm-pr990")
 RUNTIMES = tuple(CONTRACTS)
 
 # family -> its own rows, where the runtimes read that family differently from Qwen3.5's contracts

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..io.files import special_file
+from ..errors import LayoutError
+from ..io.files import contained, contained_glob, special_file
 from .report import Verdict
 
 MAX_HEADER = 100 * 1024 * 1024  # a safetensors header is JSON; refuse absurd lengths
@@ -38,32 +40,47 @@ class Folder:
     index: Optional[dict] = None
     manifests: Dict[str, dict] = field(default_factory=dict)  # e.g. {"mtp/manifest.json": {...}}
     path: str = ""
+    drafter_config: Optional[dict] = None  # mtp/config.json: what makes mtp/ a drafter folder
 
 
 # --------------------------------------------------------------------------- reading (I/O)
 
 
+class UnreadableFile(ValueError):
+    """A file the runtimes would read that is not what it should be; ``file`` names it."""
+
+    def __init__(self, file: Path, message: str):
+        super().__init__(f"{file}: {message}")
+        self.file = str(file)
+        self.detail = message
+
+
 def read_header(path: Path) -> dict:
     """The JSON header of a safetensors file: 8-byte little-endian length, then JSON."""
     if kind := special_file(path):
-        raise ValueError(f"{path}: is {kind}, not a regular safetensors file")
+        raise UnreadableFile(path, f"is {kind}, not a regular safetensors file")
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            raise UnreadableFile(path, "not a safetensors file (shorter than 8 bytes)")
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER:
-            raise ValueError(f"{path}: header length {n} is not plausible")
+            raise UnreadableFile(path, f"header length {n} is not plausible")
         data = f.read(n)
         if len(data) != n:
-            raise ValueError(f"{path}: truncated header")
-    header = json.loads(data)
+            raise UnreadableFile(path, "truncated header")
+    try:
+        header = json.loads(data)
+    except ValueError as e:
+        raise UnreadableFile(path, f"header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: header is not a JSON object")
+        raise UnreadableFile(path, "header is not a JSON object")
     return header
 
 
-MANIFESTS = ("manifest.json", "mtp/manifest.json")  # vllm-mlx reads the one next to its head file
+# vllm-mlx reads the manifest next to its head file; mtplx reads mtplx_runtime.json at the root
+MANIFESTS = ("manifest.json", "mtp/manifest.json", "mtplx_runtime.json")
+DRAFTER_CONFIG = "mtp/config.json"
 
 
 def _read_json(path: Path) -> dict:
@@ -75,23 +92,31 @@ def _read_json(path: Path) -> dict:
 
 
 def read_folder(path: Path) -> Folder:
+    """The folder's config, index, manifests and the headers of every root and ``mtp/`` safetensors file
+    (and the file config.json names as the MTP file), each checked by the folder rule
+    (``io.files.contained``) before it is opened: a FIFO, or a link out of the folder, raises ``LayoutError``."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
-    files = sorted(path.glob("*.safetensors")) + sorted(path.glob("mtp/*.safetensors"))
+    config = json.loads(contained(path, "config.json").read_text())
+    for where in (config, config.get("text_config")):
+        if isinstance(where, dict) and where.get("quantization") is not None \
+                and not isinstance(where["quantization"], dict):
+            raise LayoutError(f"the quantization block must be a JSON object, not {where['quantization']!r}",
+                              file=path / "config.json", key="quantization", code="quant-config-invalid")
+    files = contained_glob(path, "*.safetensors") + contained_glob(path, "mtp/*.safetensors")
     named = _named_mtp_file(config)
-    if named:
-        f = (path / named).resolve()
-        if f.is_file() and path.resolve() in f.parents and f not in [x.resolve() for x in files]:
+    if named and os.path.lexists(path / named):
+        f = contained(path, named, "the MTP file named by config.json (mlx_lm_extra_tensors.mtp_file)",
+                      file=path / "config.json")
+        if f not in files:
             files.append(f)
-    headers = {}
-    for f in files:
-        rel = (f.parent.resolve() / f.name).relative_to(path.resolve()).as_posix()  # keep link names
-        headers[rel] = read_header(f)
+    headers = {f.relative_to(path).as_posix(): read_header(f) for f in files}  # keep link names
     index = None
-    if (path / "model.safetensors.index.json").is_file():
-        index = json.loads((path / "model.safetensors.index.json").read_text())
-    manifests = {m: _read_json(path / m) for m in MANIFESTS if (path / m).is_file()}
-    return Folder(config=config, headers=headers, index=index, manifests=manifests, path=str(path))
+    if os.path.lexists(path / "model.safetensors.index.json"):
+        index = json.loads(contained(path, "model.safetensors.index.json").read_text())
+    manifests = {m: _read_json(contained(path, m)) for m in MANIFESTS if os.path.lexists(path / m)}
+    drafter = _read_json(contained(path, DRAFTER_CONFIG)) if os.path.lexists(path / DRAFTER_CONFIG) else None
+    return Folder(config=config, headers=headers, index=index, manifests=manifests, path=str(path),
+                  drafter_config=drafter)
 
 
 def planned_folder(plan) -> Folder:
@@ -104,11 +129,13 @@ def planned_folder(plan) -> Folder:
 
     headers = {shard: shard_header([spec for item in items for spec in item.outputs()], {"format": "mlx"})
                for shard, items in shard_order(plan).items()}
-    manifests = {}
+    manifests, drafter = {}, None
     if MTP_FILE in headers:
         headers[MTP_LINK] = headers[MTP_FILE]
         manifests[MTP_MANIFEST] = dict(MTP_MANIFEST_BODY)
-    return Folder(config=plan.config, headers=headers, index=index_json(plan), manifests=manifests, path="(planned)")
+        drafter = plan.config
+    return Folder(config=plan.config, headers=headers, index=index_json(plan), manifests=manifests, path="(planned)",
+                  drafter_config=drafter)
 
 
 # --------------------------------------------------------------------------- folder facts
@@ -216,8 +243,11 @@ def layout_of(folder: Folder) -> str:
     if _is_drafter(folder.config):
         return "drafter"
     places = _places(folder)
-    if SIDECAR in places and SIDECAR_LINK in places and folder.headers[SIDECAR] == folder.headers[SIDECAR_LINK]:
-        places.remove(SIDECAR_LINK)  # the link vllm-mlx reads: one head, two names
+    primary = _named_mtp_file(folder.config) or SIDECAR
+    for alias in (SIDECAR_LINK, SIDECAR):  # the link vllm-mlx reads, the root name config does not give
+        if alias != primary and primary in places and alias in places \
+                and folder.headers[primary] == folder.headers[alias]:
+            places.remove(alias)  # one head, two names (verify checks the bytes: locate.head_problems)
     if not places:
         return "none"
     if len(places) > 1:

@@ -133,3 +133,40 @@ def compat(folder: Folder, layout: str) -> RuntimeCompat:
         + ("format=mlx: used as written" if head.mlx_format else "raw HF head: norms +1 once")
         + (f"; {len(head.quantized)} quantized modules" if head.quantized else "")
         + "; drafts from the post-norm hidden state")))
+
+
+DRAFTER_ROUTE = "mlx-vlm-drafter"  # the same mlx-vlm, the head given as --draft-model OUT/mtp
+
+
+def compat_drafter_route(folder: Folder, layout: str) -> RuntimeCompat:
+    """``--model OUT --draft-model OUT/mtp``: mlx-vlm reads ``mtp/config.json`` and, when that is the model's own
+    config, its splitter takes the ``mtp.*`` keys of every ``*.safetensors`` in ``mtp/`` (``weights.safetensors``)
+    as mlx-vlm takes them from the model folder. A ``qwen3_5_mtp`` config there would run that drafter's
+    sanitize, which shifts every ``mtp.*`` norm again."""
+    row = compat(folder, layout)
+    if layout == "drafter":
+        return RuntimeCompat(DRAFTER_ROUTE, VERSION, row.backbone_exact, row.head_usable)
+    name = "mtp/config.json"
+    drafter = folder.drafter_config
+    if drafter is None:
+        head = Verdict(False, f"no {name}: OUT/mtp is not a drafter folder (the whole folder works as --draft-model OUT)")
+    elif drafter.get("model_type") == folder.config.get("model_type") and drafter != folder.config:
+        head = Verdict(False, f"{name} differs from config.json: the drafter would be built from another config")
+    elif drafter.get("model_type") != folder.config.get("model_type"):
+        head = Verdict(False, f"{name} says model_type {drafter.get('model_type')!r}, not the model's "
+                              f"{folder.config.get('model_type')!r}: a qwen3_5_mtp drafter config shifts the "
+                              "head's norms a second time")
+    else:
+        files = sorted(f for f in folder.headers if f.startswith("mtp/") and f.count("/") == 1)
+        found = _head(folder, files, ("mtp.",))
+        if found is None:
+            head = Verdict(False, f"no mtp.* keys in {_files_str(files) if files else 'mtp/*.safetensors'}")
+        elif not found.mlx_format:
+            head = Verdict(False, f"{_files_str(found.files)} has no metadata format=mlx: the splitter adds +1 to "
+                                  "its (already shifted) norms")
+        elif not row.head_usable.ok:
+            head = row.head_usable
+        else:
+            head = Verdict(True, f"--draft-model OUT/mtp: the model's config beside {_files_str(found.files)} "
+                                 f"({len(found.tensors)} mtp.* tensors, format=mlx: used as written)")
+    return RuntimeCompat(DRAFTER_ROUTE, VERSION, row.backbone_exact, head)

@@ -14,6 +14,11 @@
   float or not; MoE: every linear but ``fc`` and the router) stays quantized, bits/group from the
   per-module entries or the top level; any other is dequantized with the top-level bits/group alone
   (affine triplets only), a ``ValueError`` when those are not the head's.
+
+Its verification label (:func:`mtplx_tier`): mtplx reports a Qwen folder whose head it can use
+``verified`` only when the folder carries a valid ``mtplx_runtime.json`` whose evidence is not marked
+as blocking, else ``family-compatible-unverified``; it drafts with the head either way.
+``mtpconvert.mtplx_runtime`` writes that file after a smoke that measured what it claims.
 """
 
 from __future__ import annotations
@@ -112,6 +117,108 @@ def _mtplx_precision(folder: Folder, head: Head) -> Tuple[Optional[Verdict], str
     return None, f"dequantized with the top-level {_fmt_bits(top)}"
 
 
+# --------------------------------------------------------------------------- its runtime contract
+# mtplx 2.12.2, backends/registry.py and profiles.py (line numbers of its wheel).
+CONTRACT_FILE = "mtplx_runtime.json"  # registry.py:18, read from the folder's root (:819-830)
+# RuntimeContract.from_dict (registry.py:668-694): these keys, a known profile, mtp_depth_max > 0
+CONTRACT_KEYS = ("mtplx_version", "arch_id", "mtp_depth_max", "recommended_profile", "exactness_baseline",
+                 "verified_on")
+DEFAULT_PROFILE = "sustained"  # profiles.py:16 DEFAULT_PROFILE_NAME: what mtplx recommends with no contract
+PROFILES = ("stable", "performance-cold", "sustained", "turbo", "exact", "max-diagnostic")  # profiles.py:17
+PROFILE_ALIASES = {"default": "sustained", "safe": "stable", "native-mtp-60": "performance-cold",  # profiles.py:946
+                   "native_mtp_60": "performance-cold", "native_mtp_60_cold": "performance-cold",
+                   "long_response_exact_staged": "stable", "max": "max-diagnostic", "auto": "sustained",
+                   "sustained-max": "sustained", "sustained_max": "sustained"}
+# _runtime_evidence_blocker (registry.py:976): a status in the set, or starting with a prefix + "_", withholds
+# "verified" (registry.py:53-75); so does public_release_blocker: true
+BLOCKING_STATUSES = frozenset({"candidate", "candidate_build_only_benchmark_pending", "candidate_build_only",
+                               "failed", "fail", "failing", "pending", "blocked", "blocker", "needs_repair",
+                               "needs_reverify", "unverified"})
+BLOCKING_PREFIXES = ("candidate", "fail", "pending", "blocked", "blocker", "needs", "unverified")
+BLOCKING_SPEED_VERDICTS = frozenset({"mtp_acceptance_collapsed", "no_mtp_depth_beat_ar",  # registry.py:76
+                                     "no_quality_passed_mtp_depth_beat_ar"})
+QWEN_ARCH = "qwen3-next-mtp"  # the arch id mtplx gives qwen3_5, qwen3_5_moe and qwen3_next folders (registry.py:226)
+TIER_VERIFIED = "verified"
+TIER_UNVERIFIED = "family-compatible-unverified"  # no contract (registry.py:1871)
+TIER_CONTRACT_UNVERIFIED = "architecture-compatible-but-unverified"  # invalid or blocked contract (:1663, :1831)
+
+
+def contract_error(data) -> Optional[str]:
+    """Why ``RuntimeContract.from_dict`` would refuse ``data`` (None: it accepts it). Its optional fields
+    (draft lm_head/sampler, mtp_contract, env overrides, generation mode) are not checked here."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    missing = [k for k in CONTRACT_KEYS if k not in data]
+    if missing:
+        return f"runtime contract missing required keys: {', '.join(missing)}"
+    raw = str(data["recommended_profile"]).strip()
+    if PROFILE_ALIASES.get(raw, raw) not in PROFILES:
+        return f"unknown MTPLX profile {raw!r}"
+    try:
+        depth = int(data["mtp_depth_max"])
+    except (TypeError, ValueError):
+        return f"mtp_depth_max {data['mtp_depth_max']!r} is not an integer"
+    if depth <= 0:
+        return "runtime contract mtp_depth_max must be positive"
+    for key in ("exactness_baseline", "verified_on"):
+        if not isinstance(data[key], dict):
+            return f"{key} is not a JSON object"
+    return None
+
+
+def _status_blocker(section, name: str) -> Optional[str]:
+    if not isinstance(section, dict):
+        return None
+    if section.get("public_release_blocker") is True:
+        return f"{name} is marked public_release_blocker"
+    status = str(section.get("status") or "").lower().replace("-", "_")
+    if status and (status in BLOCKING_STATUSES or status.startswith(tuple(p + "_" for p in BLOCKING_PREFIXES))):
+        return f"{name} status is {section.get('status')}"
+    return None
+
+
+def contract_blocker(data: dict) -> Optional[str]:
+    """What in a valid contract withholds "verified" (``_runtime_contract_blocker``, registry.py:909)."""
+    speed = data.get("speed_evidence")
+    blocker = _status_blocker(data["exactness_baseline"], "exactness_baseline") or _status_blocker(
+        speed, "speed_evidence")
+    if blocker is None and isinstance(speed, dict) and str(speed.get("verdict") or "").lower().replace(
+            "-", "_") in BLOCKING_SPEED_VERDICTS:
+        blocker = f"speed_evidence verdict is {speed.get('verdict')}"
+    return blocker
+
+
+def read_contract(folder: Folder) -> Tuple[Optional[dict], Optional[str]]:
+    """(the folder's mtplx_runtime.json, or why it cannot be read), from the snapshot (``read_folder`` reads it
+    with the manifests); a planned folder has none: the conversion writes it only after its smoke."""
+    data = folder.manifests.get(CONTRACT_FILE)
+    if data is None:
+        return None, None
+    return (None, "not valid JSON") if data.get("__unreadable__") else (data, None)
+
+
+def mtplx_tier(folder: Folder) -> Tuple[str, str]:
+    """(tier, why): the label mtplx 2.12.2's ``inspect-model`` gives a Qwen folder whose head it can use
+    (``compatibility_for_inspection``, registry.py:1631-1722 and :1857-1890)."""
+    data, unreadable = read_contract(folder)
+    if data is None and unreadable is None:
+        return TIER_UNVERIFIED, f"no {CONTRACT_FILE}"
+    error = unreadable or contract_error(data)
+    if error:
+        return TIER_CONTRACT_UNVERIFIED, f"invalid {CONTRACT_FILE}: {error}"
+    blocker = contract_blocker(data)
+    if blocker:
+        return TIER_CONTRACT_UNVERIFIED, f"{CONTRACT_FILE}: {blocker}"
+    if str(data["arch_id"]) != QWEN_ARCH:
+        return TIER_CONTRACT_UNVERIFIED, f"{CONTRACT_FILE} names arch_id {data['arch_id']!r}, not {QWEN_ARCH!r}"
+    return TIER_VERIFIED, f"{CONTRACT_FILE}, exactness baseline {data['exactness_baseline'].get('status', 'given')}"
+
+
+def _tier_note(folder: Folder) -> str:
+    tier, why = mtplx_tier(folder)
+    return f"; mtplx labels it {tier}: {why}" + ("" if tier == TIER_VERIFIED else " (it drafts all the same)")
+
+
 def compat(folder: Folder, layout: str) -> RuntimeCompat:
     bb, settled = _old_mlx_lm_injector(folder, layout, MTPLX)
     if settled:
@@ -127,4 +234,5 @@ def compat(folder: Folder, layout: str) -> RuntimeCompat:
     refusal, how = _mtplx_precision(folder, head)
     if refusal:
         return RuntimeCompat(*MTPLX, bb, refusal)
-    return RuntimeCompat(*MTPLX, bb, Verdict(True, f"{len(head.tensors)} head tensors from {src}; {how}"))
+    return RuntimeCompat(*MTPLX, bb, Verdict(True, f"{len(head.tensors)} head tensors from {src}; {how}"
+                                                   + _tier_note(folder)))

@@ -93,6 +93,8 @@ def rows(folder: Folder, layout: str) -> Dict[str, RuntimeCompat]:
         mlx_lm.OLD[0]: _no_head(mlx_lm.NO_DECODING.reason)(folder, layout, mlx_lm.OLD, shards, "mlx-lm 0.31"),
         mlx_lm.NEW[0]: _no_head(mlx_lm.NO_DECODING.reason)(folder, layout, mlx_lm.NEW, shards, "mlx-lm 0.32"),
         mlx_vlm.NAME: _no_head(_MLX_VLM_HEAD)(folder, layout, mlx_vlm.VLM, _vlm_files(folder), "mlx-vlm"),
+        mlx_vlm.DRAFTER_ROUTE: _no_head(_MLX_VLM_HEAD + " (through --draft-model OUT/mtp as well)")(
+            folder, layout, (mlx_vlm.DRAFTER_ROUTE, mlx_vlm.VERSION), _vlm_files(folder), "mlx-vlm"),
         mtplx.NAME: _mtplx(folder, layout),
         rapid_mlx.NAME: _no_head(_RAPID_HEAD)(folder, layout, rapid_mlx.RAPID, shards, "mlx-lm 0.31.3 (rapid-mlx's)"),
         vllm_mlx.NAME: _no_head(_VLLM_HEAD)(folder, layout, vllm_mlx.VLLM, vllm_files, "mlx-lm 0.31.3 (vllm-mlx's)"),

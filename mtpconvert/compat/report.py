@@ -68,8 +68,8 @@ def why(r: RuntimeCompat) -> str:
 def render(report: CompatReport) -> str:
     """A plain-text table (one line per runtime)."""
     lines = [f"{report.folder or '(folder)'}  layout: {report.layout}",
-             f"{'runtime':<14} {'backbone':<9} {'head':<6} reason"]
+             f"{'runtime':<16} {'backbone':<9} {'head':<6} reason"]
     for r in report.runtimes:
-        lines.append(f"{r.runtime:<14} {_mark(r.backbone_exact.ok, 'exact', 'WRONG'):<9} "
+        lines.append(f"{r.runtime:<16} {_mark(r.backbone_exact.ok, 'exact', 'WRONG'):<9} "
                      f"{'yes' if r.head_usable.ok else 'no':<6} {why(r)}")
     return "\n".join(lines)

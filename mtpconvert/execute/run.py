@@ -24,7 +24,7 @@ from ..io.output_folder import OutputFolder, describe_os_error
 from ..io.reader import TensorReader
 from ..io.shard_writer import StreamingShardWriter
 from ..plan import Plan, PlanItem
-from ..plan.head import MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
+from ..plan.head import MTP_DRAFTER_CONFIG, MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
 from .blocks import DEFAULT_BLOCK_BYTES, block_ranges, item_blocks
 from .pipeline import compute_streams, quantizer_pool, write_blocks
 from .resume import RESUME_DIR, plan_fingerprint, reusable
@@ -109,9 +109,10 @@ def shard_order(plan: Plan) -> Dict[str, List[PlanItem]]:
     return {name: shards[name] for name in sorted(shards, key=last.__getitem__)}
 
 
-def link_head(folder: OutputFolder) -> None:
+def link_head(folder: OutputFolder, config: dict) -> None:
     """vllm-mlx reads the head from mtp/weights.safetensors next to a manifest: the same bytes
-    as mtp.safetensors (a hard link; a relative symlink where links are not supported)."""
+    as mtp.safetensors (a hard link; a relative symlink where links are not supported). With the
+    model's config beside them, mtp/ is the drafter folder mlx-vlm's ``--draft-model`` takes."""
     folder.path("mtp").mkdir(exist_ok=True)
     link = folder.path(MTP_LINK)
     link.unlink(missing_ok=True)
@@ -120,6 +121,7 @@ def link_head(folder: OutputFolder) -> None:
     except OSError:
         link.symlink_to(Path("..") / MTP_FILE)
     folder.write_json(MTP_MANIFEST, MTP_MANIFEST_BODY)
+    folder.write_json(MTP_DRAFTER_CONFIG, config)
 
 
 def copy_sidecars(src: Path, out: OutputFolder, keep_vision: bool) -> List[str]:
@@ -230,7 +232,7 @@ def execute(
         try:
             folder.write_json("model.safetensors.index.json", index_json(plan, extra_metadata), indent=2)
             if MTP_FILE in shards:
-                link_head(folder)
+                link_head(folder, plan.config)
         except OSError as e:
             raise describe_os_error(e, out) from e
         if check is not None:

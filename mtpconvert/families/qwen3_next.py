@@ -228,7 +228,8 @@ FAMILY = Family(
     title="Qwen3-Next (80B-A3B Instruct / Thinking)",
     model_types=MODEL_TYPES,
     head=HEAD,
-    backbone_runtimes=("mlx-lm<0.32", "mlx-lm>=0.32", "mtplx"),
+    backbone_runtimes=("mlx-lm<0.32", "mlx-lm>=0.32", "mlx-vlm", "mlx-vlm-drafter", "mtplx", "rapid-mlx", "vllm-mlx",
+                       "mlx-lm-pr990"),
     head_runtimes=("mtplx",),
     # mlx-lm's qwen3_next sanitize keeps mtp.* keys of a converted folder and its strict load then
     # refuses them: the head can only live outside the model shards

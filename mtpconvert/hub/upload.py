@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional
 
+from ..io.files import contained
 from .errors import hub_api, hub_error
 
 CARD = "README.md"
@@ -19,10 +20,13 @@ def folder_operations(folder: Path, card: Optional[str]) -> list:
     from huggingface_hub import CommitOperationAdd
 
     operations: List[CommitOperationAdd] = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+    for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder)
         if any(part.startswith(".") for part in rel.parts) or (card is not None and rel.as_posix() == CARD):
             continue
+        if path.is_dir():
+            continue
+        contained(folder, rel.as_posix())  # a FIFO or a link out of the folder is refused, never uploaded
         operations.append(CommitOperationAdd(path_in_repo=rel.as_posix(), path_or_fileobj=str(path)))
     if card is not None:
         operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode("utf-8")))

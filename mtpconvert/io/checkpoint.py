@@ -7,18 +7,17 @@ there is none) and are checked to stay inside the folder before they are opened.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection, Dict, List, Optional
 
 from ..errors import ConfigError, LayoutError, SafetensorsError
-from .files import special_file
+from .files import contained
+from .head_files import MTP_FILE, head_problems, read_named_header
 from .header import Header, TensorInfo, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
-# A converted folder keeps its MTP head beside the index, in a file the index does not list
-# (the sidecar layout, plan.head.place_head); config's mlx_lm_extra_tensors.mtp_file may name it.
-MTP_FILE = "mtp.safetensors"
 
 # Files copied next to the weights (tokenizer, chat template, generation defaults).
 SIDECAR_FILES = (
@@ -63,6 +62,11 @@ class Checkpoint:
 
 
 def load_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``, a file of a checkpoint folder checked by the folder rule before it is
+    opened (a FIFO named config.json would block the read)."""
+    path = Path(path)
+    if os.path.lexists(path):
+        contained(path.parent, path.name, what)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as e:
@@ -78,33 +82,11 @@ def load_json(path: Path, what: str) -> dict:
     return obj
 
 
-def _inside(target: Path, folder: Optional[Path]) -> bool:
-    return folder is not None and (folder == target.parent or folder in target.parents)
-
-
-def _hub_blob_store(root: Path) -> Optional[Path]:
-    """huggingface_hub cache snapshots (models--X/snapshots/<sha>/) link into models--X/blobs/: allowed."""
-    root = root.absolute()
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
-        blobs = root.parent.parent / "blobs"
-        return blobs.resolve() if blobs.is_dir() else None
-    return None
-
-
 def safe_member(root: Path, name: str, what: str, *, file: Path) -> Path:
-    """Resolve ``name`` inside ``root``; refuse absolute paths, '..' and escaping links."""
-    if not isinstance(name, str) or not name or name.startswith(("/", "\\")) or ":" in name[:3]:
-        raise LayoutError(f"{what} {name!r} is not a plain relative file name", file=file)
-    parts = Path(name).parts
-    if any(p in ("..", ".") for p in parts):
-        raise LayoutError(f"{what} {name!r} leaves the checkpoint folder", file=file)
-    root_resolved = root.resolve()
-    target = (root / name).resolve()
-    if not (_inside(target, root_resolved) or _inside(target, _hub_blob_store(root))):
-        raise LayoutError(
-            f"{what} {name!r} resolves outside the checkpoint folder (symlink?)", file=file
-        )
-    return root / name
+    """``root / name`` after the folder rule (``io.files.contained``): a plain relative name resolving inside
+    ``root`` or its hub blob store, and a regular file when something is there (``file``: where the
+    name came from, named in the error). Whether it exists is the caller's question."""
+    return contained(root, name, what, file=file, must_exist=False)
 
 
 def list_shards(root: Path, index: Optional[dict], absent: Collection[str] = ()) -> List[str]:
@@ -115,9 +97,9 @@ def list_shards(root: Path, index: Optional[dict], absent: Collection[str] = ())
         if not isinstance(weight_map, dict) or not weight_map:
             raise LayoutError("index has no weight_map", file=index_path)
         names = sorted(set(weight_map.values()), key=str)
+        names = [n for n in names if n not in absent]  # never opened
         for n in names:
             safe_member(root, n, "shard", file=index_path)
-        names = [n for n in names if n not in absent]
         for n in names:
             if not (root / n).is_file():
                 raise LayoutError(
@@ -139,22 +121,24 @@ def list_shards(root: Path, index: Optional[dict], absent: Collection[str] = ())
 
 
 def head_sidecar(root: Path, config: dict, listed: List[str]) -> Optional[str]:
-    """The root MTP sidecar of a converted folder, when the index does not list it."""
+    """The root MTP sidecar of a converted folder, when the index does not list it: config's
+    ``mlx_lm_extra_tensors.mtp_file``, else ``mtp.safetensors``; checked by the folder rule before it is read."""
     extra = config.get("mlx_lm_extra_tensors")
     named = extra.get("mtp_file") if isinstance(extra, dict) else None
     name = named if isinstance(named, str) and named else MTP_FILE
-    if (root / name).exists() and (kind := special_file(root / name)):
-        raise LayoutError(f"the MTP file {name!r} is {kind}, not a regular safetensors file", file=root / name)
-    if name in listed or not (root / name).is_file():
-        if named and not (root / name).is_file():
-            raise LayoutError(f"config.json names the MTP file {name!r} (mlx_lm_extra_tensors.mtp_file), "
-                              "which is missing", file=root / "config.json")
+    if name in listed:
         return None
-    safe_member(root, name, "MTP file", file=root / "config.json")
+    if named:
+        contained(root, name, "the MTP file named by config.json (mlx_lm_extra_tensors.mtp_file)",
+                  file=root / "config.json")
+        return name
+    if not os.path.lexists(root / name):
+        return None
+    contained(root, name, "MTP file")
     return name
 
 
-def open_checkpoint(root: Path, absent: Collection[str] = ()) -> Checkpoint:
+def open_checkpoint(root: Path, absent: Collection[str] = (), *, head_files: bool = True) -> Checkpoint:
     """Read config, index and all shard headers of a local folder.
 
     ``absent``: shard names a pull deliberately did not fetch (``PullPlan.skipped_shards``). The index's
@@ -162,12 +146,15 @@ def open_checkpoint(root: Path, absent: Collection[str] = ()) -> Checkpoint:
     read even when a file of that name is there (a cache snapshot may hold one from an earlier
     ``--keep-vision`` pull): what is converted depends on the pull's choice only. A folder given by the
     user is opened with none, so any shard its index lists must be there.
+
+    ``head_files``: a converted folder's head files must agree (``runtime.decoding.locate.head_problems``)
+    or the first disagreement is raised; verify passes False and reports every one as a finding.
     """
     root = Path(root)
     if not root.is_dir():
         raise ConfigError("checkpoint folder does not exist", file=root)
     config = load_json(root / "config.json", "config.json")
-    index = load_json(root / INDEX_NAME, "index") if (root / INDEX_NAME).exists() else None
+    index = load_json(root / INDEX_NAME, "index") if os.path.lexists(root / INDEX_NAME) else None
     absent = frozenset(absent) if index is not None else frozenset()  # without an index every file present is read
     shards = list_shards(root, index, absent)
     unindexed = []
@@ -179,7 +166,7 @@ def open_checkpoint(root: Path, absent: Collection[str] = ()) -> Checkpoint:
     headers: Dict[str, Header] = {}
     tensors: Dict[str, TensorInfo] = {}
     for name in shards + unindexed:
-        header = read_header(root / name)
+        header = read_named_header(root, name, config) if name in unindexed else read_header(root / name)
         headers[name] = header
         for key, info in header.tensors.items():
             if key in tensors:
@@ -190,6 +177,12 @@ def open_checkpoint(root: Path, absent: Collection[str] = ()) -> Checkpoint:
                     code="duplicate-tensor",
                 )
             tensors[key] = info
+    if head_files and (unindexed or "mlx_lm_extra_tensors" in config):
+        # a converted folder: its head files must agree (one head, every name of the sidecar the same bytes,
+        # config's mtp_file / mtp_tensor_count true) before one of them is taken for the head
+        problems = head_problems(root, [headers[n] for n in shards], config)[1]
+        if problems:
+            raise problems[0]
 
     index_map = None
     absent_keys: Dict[str, str] = {}

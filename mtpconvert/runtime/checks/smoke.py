@@ -16,7 +16,10 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+from ...errors import LayoutError
+
 from ..decoding.load import MTPModel, load
+from ..decoding.locate import readable_folder
 from ..decoding.speculative import DecodeStats, mtp_generate, plain_generate
 from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain
 
@@ -147,6 +150,20 @@ def divergence(m: MTPModel, i: int, prompt: Sequence[int], plain: Sequence[int],
     return Divergence(i, at, plain[at], spec[at], top2_margin(m, prompt, plain[:at], processors))
 
 
+def load_folder(path: Path) -> MTPModel:
+    """The folder loaded for decoding, once every file it reads has passed the folder rule and the head is
+    located (``decoding.locate.readable_folder``). mlx-lm's loader raises ValueError where config.json and
+    the weights disagree (a quantization block the shards do not match): named as such, not as a bug."""
+    path = Path(path)
+    readable_folder(path)
+    try:
+        return load(path)
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LayoutError(f"the model does not load: config.json and the weights disagree ({first[:300]})",
+                          file=path / "config.json", code="load-failed") from None
+
+
 def smoke(
     path: Path,
     prompts: Optional[Sequence[str]] = None,
@@ -156,7 +173,7 @@ def smoke(
     model: Optional[MTPModel] = None,
     min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN,
 ) -> SmokeResult:
-    m = model or load(path)
+    m = model or load_folder(path)
     result = SmokeResult(str(path), hidden, min_acceptance=min_acceptance, min_mlp_gain=min_mlp_gain)
     decoded = []
     for i, ids in enumerate(encode_prompts(path, prompts)):

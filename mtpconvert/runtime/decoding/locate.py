@@ -1,57 +1,103 @@
-"""Where a converted folder keeps its MTP head, from headers alone."""
+"""Where a converted folder keeps its MTP head, from headers alone: the one locator of verify, smoke,
+bench, layerwise and the runtime loader (the rules: ``io.head_files``).
+
+:func:`locate_mtp` finds the head or raises the first way the folder's head files disagree;
+:func:`readable_folder` checks every file the loader and the tokenizer read before any is opened.
+"""
 
 from __future__ import annotations
 
-import glob
-from dataclasses import dataclass
+import json
+import os
+import re
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
-from ...families import FAMILIES
-from ...io.checkpoint import MTP_FILE
-from ...io.header import Header, TensorInfo, read_header
-from ...plan.head import SIDECAR_PREFIX
-
-# a head inside the model shards is named by its family's head prefix (language_model.mtp. for Qwen3.5)
-IN_MODEL_PREFIXES = tuple(dict.fromkeys(family.head_prefix for family in FAMILIES))
-HEAD_PREFIXES = (SIDECAR_PREFIX, *IN_MODEL_PREFIXES)
+from ...errors import ConvertError, LayoutError
+from ...io.checkpoint import SIDECAR_FILES, load_json
+from ...io.files import contained, contained_glob
+from ...io.head_files import (HEAD_PREFIXES, IN_MODEL_PREFIXES, MTP_FILE, HeadTensors, shard_files,  # noqa: F401
+                              head_problems as _head_problems)
+from ...io.header import Header, read_header
 
 
-@dataclass
-class HeadTensors:
-    """The MTP head's tensors: ``tensors`` maps the head-local name (``fc.weight``,
-    ``layers.0.self_attn.q_proj.scales``...) to where it is stored."""
-
-    source: str  # "sidecar" | "in-model"
-    prefix: str  # key prefix inside the files
-    tensors: Dict[str, TensorInfo]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
-
-
-def locate_mtp(path: Path, headers: Optional[Sequence[Header]] = None) -> Optional[HeadTensors]:
-    """Find the MTP head of a converted folder: ``mtp.safetensors`` at the root (``mtp.*`` keys,
-    or ``language_model.mtp.*``), else ``language_model.mtp.*`` inside ``model*.safetensors``.
-    Headers only; None when there is no head."""
+def head_problems(path: Path, headers: Optional[Sequence[Header]] = None, config: Optional[dict] = None,
+                  ) -> Tuple[Optional[HeadTensors], List[ConvertError]]:
+    """``io.head_files.head_problems``, reading config.json when ``config`` is not given."""
     path = Path(path)
-    sidecar = path / MTP_FILE
-    if sidecar.is_file():
-        header = read_header(sidecar)
-        for prefix in HEAD_PREFIXES:
-            found = {k[len(prefix):]: t for k, t in header.tensors.items() if k.startswith(prefix)}
-            if found:
-                return HeadTensors("sidecar", prefix, found)
-    headers = headers if headers is not None else [read_header(Path(f)) for f in shard_files(path)]
-    for prefix in IN_MODEL_PREFIXES:
-        found = {}
-        for header in headers:
-            found.update({k[len(prefix):]: t for k, t in header.tensors.items() if k.startswith(prefix)})
-        if found:
-            return HeadTensors("in-model", prefix, found)
-    return None
+    if config is None:
+        try:
+            config = load_json(path / "config.json", "config.json") if os.path.lexists(path / "config.json") else {}
+        except ConvertError as e:
+            return None, [e]
+    return _head_problems(path, headers, config)
 
 
-def shard_files(path: Path) -> List[str]:
-    return sorted(glob.glob(str(Path(path) / "model*.safetensors")))  # what mlx_lm's load_model reads
+def locate_mtp(path: Path, headers: Optional[Sequence[Header]] = None,
+               config: Optional[dict] = None) -> Optional[HeadTensors]:
+    """Find the MTP head of a converted folder: the sidecar (config's ``mlx_lm_extra_tensors.mtp_file``,
+    else root ``mtp.safetensors``; ``mtp.*`` keys, or ``language_model.mtp.*``), else
+    ``language_model.mtp.*`` inside ``model*.safetensors`` (``headers``: theirs, when already read).
+    Headers only; None when there is no head; the first of :func:`head_problems` raised."""
+    head, problems = head_problems(path, headers, config)
+    if problems:
+        raise problems[0]
+    return head
+
+
+def readable_folder(path: Path) -> Optional[HeadTensors]:
+    """Every file the runtime loader (``decoding.load``: mlx-lm's ``load_model``, then the head) and the
+    tokenizer read, checked before any is opened: config.json (a JSON object), the tokenizer and
+    generation files, each root ``*.safetensors`` with a header that fits its file, and the head
+    (:func:`locate_mtp`). Returns the head."""
+    path = Path(path)
+    config = load_json(path / "config.json", "config.json")
+    for name in SIDECAR_FILES:
+        if os.path.lexists(path / name):
+            file = contained(path, name)
+            if name.endswith(".json"):
+                try:
+                    json.loads(file.read_text(encoding="utf-8"))
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise LayoutError(f"{name} is not valid JSON ({e})", file=file, code="file-invalid") from None
+    headers = [read_header(f) for f in contained_glob(path, "*.safetensors", "safetensors file")]
+    shards = [h for h in headers if h.file.name.startswith("model")]
+    head = locate_mtp(path, shards, config)
+    if head is not None:
+        _check_head_config(path, config, head)
+    return head
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_head_config(path: Path, config: dict, head: HeadTensors) -> None:
+    """What the loader builds the head from: config's MTP layer count (the head's own) and the
+    quantization entries of its modules (a quantized entry needs scales, an unquantized one none)."""
+    cfg = path / "config.json"
+    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    key = ("text_config." if tc is not config else "") + "mtp_num_hidden_layers"
+    n = tc.get("mtp_num_hidden_layers")
+    layers = {int(m.group(1)) for k in head.tensors if (m := re.match(r"layers\.(\d+)\.", k))}
+    if not _is_int(n) or n != len(layers):
+        raise LayoutError(f"config.json says mtp_num_hidden_layers={n!r}, the head has {len(layers)} layer(s)",
+                          file=cfg, key=key, code="mtp-count")
+    quant = config.get("quantization")
+    if quant is None:
+        return
+    if not isinstance(quant, dict) or not _is_int(quant.get("bits")) or not _is_int(quant.get("group_size")):
+        raise LayoutError("the quantization block must be a JSON object with integer bits and group_size",
+                          file=cfg, key="quantization", code="quant-config-invalid")
+    for entry, spec in quant.items():
+        prefix = next((p for p in HEAD_PREFIXES if isinstance(entry, str) and entry.startswith(p)), None)
+        if prefix is None:
+            continue
+        module = entry[len(prefix):]
+        if module + ".weight" not in head.tensors:
+            continue
+        scales = module + ".scales" in head.tensors
+        if (spec is not False) != scales:
+            raise LayoutError(f"config.json says {entry} is {'not ' if spec is False else ''}quantized, but the head "
+                              f"holds {'scales' if scales else 'no scales'} for it", file=cfg,
+                              key=f"quantization.{entry}", code="quant-config-mismatch")
