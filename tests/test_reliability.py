@@ -584,3 +584,17 @@ def test_add_mtp_and_upload_never_take_a_file_from_outside_the_folder(tmp_path):
     code, output = cli("add-mtp", DENSE, out, "--no-smoke")
     assert code != 0 and "resolves outside" in output and str(out / "notes.txt") in output, output
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_convert_refuses_a_fifo_in_place_of_a_tokenizer_file(tmp_path):
+    """The files copied beside the weights go through the folder rule too: a FIFO is named, never opened (it would
+    block) nor skipped (the output would silently lack its tokenizer)."""
+    from mtpconvert.fixture import fixture_path
+
+    src = tmp_path / "src"
+    shutil.copytree(fixture_path("dense"), src)
+    (src / "tokenizer.json").unlink()
+    os.mkfifo(src / "tokenizer.json")
+    result = CliRunner().invoke(app, ["convert", str(src), str(tmp_path / "out"), "--no-smoke"])
+    assert result.exit_code != 0 and "tokenizer.json" in result.output and "FIFO" in result.output, result.output
+    assert not (tmp_path / "out").exists()

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Set, Union
 
 from .. import __version__
-from ..io.checkpoint import MTP_FILE, SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint, safe_member
+from ..io.checkpoint import MTP_FILE, SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint
+from ..io.files import contained
 from ..io.output_folder import OutputFolder, describe_os_error
 from ..io.reader import TensorReader
 from ..io.shard_writer import StreamingShardWriter
@@ -128,10 +129,9 @@ def copy_sidecars(src: Path, out: OutputFolder, keep_vision: bool) -> List[str]:
     names = list(SIDECAR_FILES) + (list(VISION_SIDECAR_FILES) if keep_vision else [])
     copied = []
     for name in names:
-        p = src / name
-        if not p.is_file():
+        if not os.path.lexists(src / name):
             continue
-        safe_member(src, name, "file", file=p)  # links only within the folder or its hub blob store
+        p = contained(src, name)  # a regular file inside the folder or its hub blob store: a FIFO is refused
         shutil.copyfile(p, out.path(name))
         copied.append(name)
     return copied
