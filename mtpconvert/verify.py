@@ -24,6 +24,7 @@ from .families import family_for
 from .families.base import CONV, FC, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot, text_config
 from .plan import fp8
 from .plan.head import SIDECAR_PREFIX
+from . import verify_shapes as shapes
 from .verify_files import add_runtime_table, check_drafter_config, check_finite, check_head_files, check_manifests
 
 ERROR, WARNING, INFO = "error", "warning", "info"
@@ -84,6 +85,8 @@ def verify(path: Path, deep: bool = False) -> Report:
         report.add(e.code, ERROR, e.detail, e.key, e.file)
         return report
     report.tensors, report.shards = len(ckpt.tensors), len(ckpt.shards)
+    drafter = shapes.is_drafter(ckpt.config)  # mlx-vlm's <out>-mtp: read as the head alone, like OUT/mtp
+    ckpt, head_file = shapes.drafter_view(ckpt) if drafter else shapes.with_head_file(ckpt)
     try:
         family = family_for(ckpt.config)
         spec = family.spec(ckpt.config)
@@ -98,6 +101,8 @@ def verify(path: Path, deep: bool = False) -> Report:
     except ConvertError as e:
         report.add("layout", ERROR, e.detail, e.key, e.file)
         return report
+    if head_file:  # the head where vllm-mlx's tools put it, outside the index: checked as the runtimes read it
+        report.add("head-file", INFO, f"the MTP head is in {head_file}, which the index does not list", file=path)
     _check_sources(ckpt, report)
     _check_tensors(ckpt, family, spec, raw, report)
     _check_norms(ckpt, family, raw, report)
@@ -105,6 +110,9 @@ def verify(path: Path, deep: bool = False) -> Report:
     if report.layout == "head-only":  # OUT/mtp: its config is the model's, naming files of the model folder
         if deep:
             check_finite(ckpt, report)
+        if drafter:  # mlx-vlm's drafter folder: its own config, its own runtime table
+            add_runtime_table(Path(path), report)
+            shapes.drafter_finding(report, Path(path))
         return report
     check_head_files(ckpt, report)
     check_manifests(ckpt.root, report)
@@ -112,6 +120,7 @@ def verify(path: Path, deep: bool = False) -> Report:
     if deep:
         check_finite(ckpt, report)
     add_runtime_table(Path(path), report)
+    shapes.runtime_gaps(report)
     return report
 
 
@@ -191,10 +200,8 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
                    f"config.json has no mtp_num_hidden_layers but the folder has {n_mtp} MTP layer(s); runtimes "
                    "read the count from the config (mtpconvert convert writes it)", _mtp_count_key(ckpt), _config_file(ckpt))
     if spec.mtp_layers and not any_mtp:
-        report.add("mtp-missing", ERROR,
-                   f"config.json says mtp_num_hidden_layers={spec.mtp_layers} but the folder has no mtp.* "
-                   "weights (stock mlx_lm.convert drops them); re-convert with mtpconvert, or set "
-                   "mtp_num_hidden_layers to 0", _mtp_count_key(ckpt), _config_file(ckpt))
+        report.add("mtp-missing", ERROR, shapes.missing_head_message(ckpt.root, spec.mtp_layers),
+                   _mtp_count_key(ckpt), _config_file(ckpt))
     elif n_mtp != claimed and any_mtp:
         report.add("mtp-count", ERROR,
                    f"folder has {n_mtp} MTP layer(s), config.json says {spec.mtp_layers}", _mtp_count_key(ckpt),

@@ -19,6 +19,8 @@ FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT)
 _NEXTN = ("its MTP head is a DeepSeek-V3-style nextn layer (layer num_hidden_layers: enorm, hnorm, eh_proj, "
           "shared_head), a head design no family here converts yet")
 UNSUPPORTED: Dict[str, str] = {t: _NEXTN for t in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v3")}
+UNSUPPORTED["qwen3_5_mtp"] = ("mlx-vlm's drafter folder (`mlx_vlm.convert --mtp`): the MTP head alone, no model to "
+                              "convert; `mtpconvert verify DIR` reads it; convert the model's own release instead")
 
 
 def family_for(config: dict) -> Family:
