@@ -53,7 +53,14 @@ PR990_LOCAL = CACHE / "src" / "mlx-lm-pr990"  # a checkout of that commit, used 
 # torch 2.15 (~4 GB of nvidia-* wheels). Pin torch 2.13.0 / torchvision 0.28.0 (which requires
 # exactly torch 2.13.0) and, on Linux, take both from PyTorch's CPU index first
 # (MTPCONVERT_TORCH_INDEX overrides it; empty = pip's configured indexes).
+# torch and torchvision must be builds of one index: PyPI's Linux torchvision is a CUDA build whose
+# operators do not register next to a CPU torch (`operator torchvision::nms does not exist`).
+# Where the CPU index cannot be reached (or MTPCONVERT_TORCH_INDEX is empty), the fallback is PyPI's
+# pair, both CUDA builds (torch pulls ~3 GB of nvidia-* wheels; they run on CPU). `===` pins the
+# exact version string, so a local `2.13.0+cpu` wheel (pip --find-links, a wheel cache) is never
+# taken in place of PyPI's torch next to PyPI's torchvision.
 TORCH_PINS = ["torch==2.13.0", "torchvision==0.28.0"]
+TORCH_PINS_PYPI = ["torch===2.13.0", "torchvision==0.28.0"]
 TORCH_INDEX = os.environ.get("MTPCONVERT_TORCH_INDEX", "https://download.pytorch.org/whl/cpu" if LINUX else "")
 # mtplx declares mlx, mlx-lm and transformers for darwin/arm64 only: on Linux `pip install mtplx`
 # gives a venv without mlx-lm, so they are named explicitly (its own pins).
@@ -63,7 +70,7 @@ MTPLX_LINUX = ["mlx[cpu]==0.32.2", "mlx-lm>=0.31,<0.32", "transformers>=5.10,<5.
 # "mtp": the runtime decodes with the MTP head (False: backbone checks only). "drafts": False when
 # the runtime injects the head but its MTP loop cannot run (vllm-mlx 0.6.0, upstream bug): then the
 # checks are backbone exact + head found, and the probe's `error` carries the runtime's own log text.
-# "torch": pre-install a CPU torch (see TORCH_PINS).
+# "torch": pre-install a matching torch + torchvision pair (see TORCH_PINS, install_torch).
 RUNTIMES: Dict[str, dict] = {
     "mlx-lm-0.32": dict(venv="mlx-lm-0.32.2", pip=["mlx-lm==0.32.2", MLX], dist="mlx-lm", version="0.32.2",
                         probe="mlx_lm.py", mtp=False, compat="mlx-lm>=0.32", baseline=True),
@@ -71,6 +78,10 @@ RUNTIMES: Dict[str, dict] = {
                         probe="mlx_lm.py", mtp=False, compat="mlx-lm<0.32"),
     "mlx-vlm": dict(venv="mlx-vlm-0.7.10", pip=["mlx-vlm==0.7.10", MLX], dist="mlx-vlm", version="0.7.10",
                     probe="mlx_vlm.py", mtp=True, compat="mlx-vlm"),
+    # the same venv, the head taken as a separate drafter: --draft-model OUT/mtp
+    "mlx-vlm-drafter": dict(venv="mlx-vlm-0.7.10", pip=["mlx-vlm==0.7.10", MLX], dist="mlx-vlm", version="0.7.10",
+                            probe="mlx_vlm.py", probe_args=["--drafter", "{folder}/mtp"], mtp=True,
+                            compat="mlx-vlm-drafter"),
     "mtplx": dict(venv="mtplx", pip=(MTPLX_LINUX if LINUX else []) + ["mtplx==2.12.2"], dist="mtplx",
                   version="2.12.2", probe="mtplx.py", mtp=True, compat="mtplx"),
     "rapid-mlx": dict(venv="rapid-mlx", pip=["rapid-mlx==0.16.10", MLX], dist="rapid-mlx", version="0.16.10",
@@ -151,17 +162,65 @@ def installed_version(py: Path, dist: str) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def install_torch(py: Path) -> List[str]:
+    """Install a torch + torchvision pair built from one index into the venv of ``py``: PyTorch's CPU
+    index (TORCH_INDEX) when set and reachable, else PyPI's pair (TORCH_PINS_PYPI). Returns the pins
+    installed (for the constraints file); raises CalledProcessError when neither installs."""
+    pip = [str(py), "-m", "pip", "install", "-q"]
+    if TORCH_INDEX:
+        why = _unreachable(TORCH_INDEX)
+        if not why:
+            try:
+                # pip's configured --find-links / --extra-index-url still count beside --index-url: the
+                # pair is checked, not assumed
+                subprocess.run(pip + TORCH_PINS + ["--index-url", TORCH_INDEX], check=True)
+                why = torch_health(py)
+                if not why:
+                    return TORCH_PINS
+            except subprocess.CalledProcessError as e:
+                why = str(e)
+        log(f"[setup] torch: no matching pair from {TORCH_INDEX} ({why}); falling back to PyPI's pair "
+            f"{' '.join(TORCH_PINS_PYPI)} (CUDA builds, ~3 GB of nvidia-* wheels, run on CPU)")
+    subprocess.run(pip + TORCH_PINS_PYPI, check=True)
+    return TORCH_PINS_PYPI
+
+
+def _unreachable(url: str) -> Optional[str]:
+    """None when ``url`` answers an HTTP request within 15 s, else why not (spares pip's retries)."""
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/torch/", method="HEAD"), timeout=15)
+        return None
+    except Exception as e:  # noqa: BLE001  (DNS, proxy, TLS, HTTP errors: all mean "not this index")
+        return f"{type(e).__name__}: {e}"[:200]
+
+
 def ensure_venv(name: str, rt: dict, with_pr990: bool, reinstall: bool = False) -> dict:
-    """Create (or reuse) the runtime's venv. Returns {"ready": bool, "why": str}."""
+    """Create (or reuse) the runtime's venv. Returns {"ready": bool, "why": str}. A reused venv of a
+    "torch" runtime whose torchvision does not run with its torch (a CPU torch next to PyPI's CUDA
+    torchvision) gets a matching pair installed over it (install_torch)."""
     py = venv_python(rt)
     marker = py.parent.parent / ".mtpconvert-interop.json"
     spec = pip_spec(name, rt, with_pr990)
     if py.exists() and not reinstall:
+        why = None
         if marker.exists() and (spec is None or json.loads(marker.read_text()).get("pip") == spec):
-            return {"ready": True, "why": "cached"}
-        have = installed_version(py, rt["dist"])
-        if have and (rt["version"] is None or have == rt["version"]):
-            return {"ready": True, "why": f"existing venv ({rt['dist']} {have})"}
+            why = "cached"
+        else:
+            have = installed_version(py, rt["dist"])
+            if have and (rt["version"] is None or have == rt["version"]):
+                why = f"existing venv ({rt['dist']} {have})"
+        if why and rt.get("torch") and torch_health(py):
+            log(f"[setup] {name}: its torchvision does not run with its torch ({torch_health(py)}); "
+                "installing a matching pair")
+            try:
+                pins = install_torch(py)
+            except subprocess.CalledProcessError as e:
+                return {"ready": True, "why": f"{why}; matching torch pair not installed: {e}"}
+            why += f"; torch pair reinstalled ({' '.join(pins)})"
+        if why:
+            return {"ready": True, "why": why}
     if spec is None:
         return {"ready": False, "why": "optional, not installed: the PR #990 branch is not on PyPI; set "
                                        "MTPCONVERT_PR990_SRC (checkout path or pip URL) or pass --with-pr990"}
@@ -174,10 +233,10 @@ def ensure_venv(name: str, rt: dict, with_pr990: bool, reinstall: bool = False) 
         subprocess.run([sys.executable, "-m", "venv", str(venv_dir)], check=True)
         subprocess.run(pip + ["--upgrade", "pip"], check=True)
         if rt.get("torch"):
+            # the torch pair first, so that the runtime's own requirements are already met by it
+            pins = install_torch(py)
             constraints = venv_dir / "constraints.txt"
-            constraints.write_text("\n".join(TORCH_PINS) + "\n")
-            # CPU torch first, so that the runtime's own requirements are already met by it
-            subprocess.run(pip + TORCH_PINS + (["--index-url", TORCH_INDEX] if TORCH_INDEX else []), check=True)
+            constraints.write_text("\n".join(pins) + "\n")
             subprocess.run(pip + ["-c", str(constraints)] + spec, check=True)
         else:
             subprocess.run(pip + spec, check=True)
@@ -192,11 +251,11 @@ def ensure_venv(name: str, rt: dict, with_pr990: bool, reinstall: bool = False) 
 
 def torch_health(py: Path) -> Optional[str]:
     """None when the venv's torchvision runs with its torch, else why not. A torchvision wheel built for
-    CUDA next to a CPU torch (what PyPI gives on Linux when PyTorch's CPU index is not reachable) fails
-    at its first operator, and with it transformers' AutoProcessor: the runtimes' multimodal (VLM)
-    route cannot load, text-only folders are not affected."""
-    r = subprocess.run([str(py), "-c", "import torch, torchvision; torch.ops.torchvision.nms"],
-                       capture_output=True, text=True)
+    CUDA next to a CPU torch (PyPI's torchvision beside a `+cpu` torch) fails at its first operator,
+    and with it transformers' AutoProcessor: the runtimes' multimodal (VLM) route cannot load,
+    text-only folders are not affected."""
+    r = subprocess.run([str(py), "-c", "import torch, torchvision; "
+                        "torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)"], capture_output=True, text=True)
     return None if r.returncode == 0 else _last_line(r.stderr)
 
 
@@ -242,10 +301,11 @@ def source_folder(py: str, source: str, work: Path) -> Path:
 
 
 def convert(py: str, src: Path, out: Path, opts: List[str], layout: str) -> Optional[str]:
-    """``mtpconvert convert SRC OUT OPTS --mtp-layout LAYOUT --no-smoke``; None, or why it failed."""
+    """``mtpconvert convert SRC OUT OPTS --mtp-layout LAYOUT --smoke-mode full``; None, or why it failed. The
+    decoding smoke runs as a user's convert runs it, so the folder carries the mtplx_runtime.json it earns."""
     if out.exists():
         shutil.rmtree(out)
-    cmd = [py, "-m", "mtpconvert", "convert", str(src), str(out), *opts, "--mtp-layout", layout, "--no-smoke"]
+    cmd = [py, "-m", "mtpconvert", "convert", str(src), str(out), *opts, "--mtp-layout", layout, "--smoke-mode", "full"]
     log(f"[convert] {out.name}: {' '.join(cmd[1:])}")
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(ROOT))
     return None if r.returncode == 0 else "convert failed: " + _last_line(r.stderr or r.stdout)
@@ -304,7 +364,7 @@ def predict(py: str, folder: str) -> Optional[dict]:
 
 def run_probe(rt: dict, folder: str, prompts: Path, max_tokens: int, timeout: int, python=None) -> dict:
     cmd = [str(python or venv_python(rt)), str(PROBES / rt["probe"]), "--folder", folder, "--prompts-json", str(prompts),
-           "--max-tokens", str(max_tokens)]
+           "--max-tokens", str(max_tokens)] + [arg.format(folder=folder) for arg in rt.get("probe_args", [])]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     except subprocess.TimeoutExpired:
@@ -473,7 +533,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
             out.append(f"- {r['folder']} / {r['runtime']}: observed {json.dumps(r['checks'])}; compat: backbone "
                        f"{p['backbone_exact']} head {p['head_usable']}; error: {_short(r['result'].get('error'), 300)}")
     if any(r["runtime"] == "vllm-mlx" for r in rows):
-        out += ["", f"vllm-mlx: pass = head injected + backbone exact; its MTP loop does not run ({VLLM_LOOP_BUG})."]
+        out += ["", f"vllm-mlx: pass = head injected + backbone exact; on a text folder its MTP loop does not run "
+                f"({VLLM_LOOP_BUG}); a vision_config folder drafts through its MLLM scheduler."]
     if meta.get("environment"):
         out += ["", "Environment (status ENV):", ""] + [f"- {k}: {v}" for k, v in meta["environment"].items()]
     skipped = meta.get("skipped") or {}
@@ -529,8 +590,8 @@ def main(argv=None) -> int:
                 bad = torch_health(venv_python(rt))
                 if bad:
                     env_notes[n] = (f"its torchvision does not run with its torch ({bad}): the multimodal route "
-                                    "(--keep-vision folders) cannot load here; install torch and torchvision from "
-                                    "PyTorch's CPU index (MTPCONVERT_TORCH_INDEX) to test it")
+                                    "(--keep-vision folders) cannot load here; install torch and torchvision from one index "
+                                    "(interop/run.py --setup-only --runtimes " + n + " does) to test it")
         else:
             skipped[n] = st["why"]
         log(f"[setup] {n}: {st['why']}")

@@ -6,6 +6,7 @@
 #   - mtplx with its darwin-only requirements named explicitly (mlx[cpu]==0.32.2, mlx-lm<0.32,
 #     transformers>=5.10,<5.17,!=5.13.0);
 #   - rapid-mlx / vllm-mlx with torch==2.13.0 + torchvision==0.28.0 from PyTorch's CPU index first
+#     (PyPI's matching pair, torch===2.13.0 + torchvision==0.28.0, where that index does not answer)
 #     (MTPCONVERT_TORCH_INDEX overrides the index; empty = pip's own), then the runtime under a
 #     constraints file pinning both, so pip never pulls a CUDA torch.
 # Extra arguments go to interop/run.py, e.g. --runtimes mlx-vlm,mlx-lm-0.32, --with-pr990 (the

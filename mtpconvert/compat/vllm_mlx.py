@@ -16,8 +16,10 @@ measured in ``interop/notes-mtplx-rapid-vllm.md``. What it reads:
 * precision: every weight/scales/biases triplet is dequantized with ``quantization.bits/group_size``
   (text_config first, then the top level; per-module entries ignored) and the head runs in float.
 
-Its MTP loop never runs with the mlx-lm it pins (:data:`VLLM_LOOP_BUG`): "head usable" means the
-head is found and injected.
+Its text scheduler's MTP loop never runs with the mlx-lm it pins (:data:`VLLM_LOOP_BUG`); a folder with a
+``vision_config`` is served by its MLLM scheduler, whose own MTP loop drafts (``--continuous-batching
+--enable-mtp``, measured on a ``--keep-vision`` folder, text and image requests alike: docs/interop.md).
+"head usable" means the head is found and injected.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ VLLM_FILES = ((SIDECAR_LINK, "mtp/manifest.json"), (MODEL_MTP, "manifest.json"))
 VLLM_PREFIXES = ("mtp.", "language_model.mtp.")
 VLLM_LOOP_BUG = ("vllm-mlx 0.6.0's MTP loop never runs with the mlx-lm it pins (scheduler.py:827: "
                  "BatchGenerator lacks _step → '[MTP] disabled')")
+VLLM_MLLM_LOOP = ("a vision_config routes every request, text or image, to vllm-mlx's MLLM scheduler, whose MTP loop "
+                  "drafts with --continuous-batching --enable-mtp")
 
 
 def _vllm_top_bits(config: dict) -> Bits:
@@ -88,4 +92,5 @@ def compat(folder: Folder, layout: str) -> RuntimeCompat:
         "head norm with mean < 0.5 gets +1 (MLX norms sit near 1: not triggered unless a trained gamma is small)")
     quant = f"; dequantized with the top-level {_fmt_bits(_vllm_top_bits(folder.config))}" if head.quantized else ""
     return RuntimeCompat(*VLLM, bb, Verdict(True, (
-        f"head injected ({len(head.tensors)} tensors from {src}{quant}; {norms}); {VLLM_LOOP_BUG}")))
+        f"head injected ({len(head.tensors)} tensors from {src}{quant}; {norms}); "
+        + (VLLM_MLLM_LOOP if "vision_config" in folder.config else VLLM_LOOP_BUG))))
