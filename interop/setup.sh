@@ -8,7 +8,7 @@
 #   - rapid-mlx / vllm-mlx with torch==2.13.0 + torchvision==0.28.0 from PyTorch's CPU index first
 #     (PyPI's matching pair, torch===2.13.0 + torchvision==0.28.0, where that index does not answer)
 #     (MTPCONVERT_TORCH_INDEX overrides the index; empty = pip's own), then the runtime under a
-#     constraints file pinning both, so pip never pulls a CUDA torch.
+#     constraints file pinning both.
 # Extra arguments go to interop/run.py, e.g. --runtimes mlx-vlm,mlx-lm-0.32, --with-pr990 (the
 # mlx-lm PR #990 branch from GitHub; a checkout in $CACHE/src/mlx-lm-pr990 or MTPCONVERT_PR990_SRC
 # is used when present), --reinstall.
