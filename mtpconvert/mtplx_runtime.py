@@ -20,9 +20,9 @@ folder being built. ``upload`` writes none: it never writes into the folder it i
 * ``mtplx_version``: the mtplx release whose contract format this follows (2.12.2); mtplx did not run;
 * ``arch_id``: mtplx's arch id for the folder's family (``ARCH_IDS``); a family mtplx has none for
   gets no file;
-* ``mtp_depth_max``: the depth the smoke decoded at (1). mtplx treats it as a ceiling on its default
-  serving depth (commands/public.py ``_model_contract_depth``): with the file, ``mtplx serve``
-  drafts one token a step unless ``--depth`` is given;
+* ``mtp_depth_max``: the deepest draft chain the smoke decoded at with output identical to plain
+  greedy: depth 3 (mtplx's default serving depth, which it caps at this value: commands/public.py
+  ``_model_contract_depth``) where the smoke's depth-3 decode matched, else 1;
 * ``recommended_profile``: mtplx's default profile (``sustained``), the one it recommends with no file;
   not a measurement: profiles were not measured;
 * ``exactness_baseline``: the smoke's numbers (prompts, tokens, acceptance, MLP gain, the hidden state
@@ -103,6 +103,7 @@ def build(config: dict, record) -> Tuple[Optional[dict], str]:
         "prompts": len(result.per_prompt),
         "generated_tokens": result.plain.emitted,
         "depth": result.mtp.depth or 1,
+        **_deep(result),
         "mtp_hidden": result.hidden,
         "acceptance": round(result.acceptance, 4),
         "proposed": sum(result.mtp.proposed),
@@ -114,18 +115,27 @@ def build(config: dict, record) -> Tuple[Optional[dict], str]:
     contract = {
         "mtplx_version": MTPLX_VERSION,
         "arch_id": arch,
-        "mtp_depth_max": baseline["depth"],
+        "mtp_depth_max": baseline.get("deep_depth", baseline["depth"]),
         "recommended_profile": DEFAULT_PROFILE,
         "exactness_baseline": baseline,
         "verified_on": _verified_on(),
         "notes": (f"Written by mtpconvert from its own smoke test, in the format mtplx {MTPLX_VERSION} reads; "
                   "mtplx did not run. recommended_profile is mtplx's default, not a measurement; mtp_depth_max "
-                  "is the depth the smoke decoded at."),
+                  "is the deepest draft chain the smoke decoded at with output identical to plain greedy."),
     }
     error = contract_error(contract)
     if error:  # never write a file mtplx would refuse
         raise AssertionError(f"{CONTRACT_FILE} would be invalid: {error}")
-    return contract, f"mtplx will label the folder verified (depth {baseline['depth']}, exact greedy output)"
+    return contract, (f"mtplx will label the folder verified (depth {contract['mtp_depth_max']}, exact greedy "
+                      "output)")
+
+
+def _deep(result) -> dict:
+    """The smoke's deeper decode, where it ran and its output was plain greedy's on every prompt."""
+    deep = getattr(result, "deep", None)
+    if deep is None or not deep.depth or getattr(result, "deep_mismatches", None):
+        return {}
+    return {"deep_depth": deep.depth, "deep_acceptance_by_depth": [round(a, 4) for a in deep.acceptance_by_depth]}
 
 
 def write(folder: Path, record, *, has_mtp: bool = True) -> Optional[str]:

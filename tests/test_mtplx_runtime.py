@@ -51,7 +51,10 @@ def test_written_after_a_full_smoke_with_what_it_measured(converted):
     smoke = record.smoke
     assert record.smoke_mode == "full" and smoke.ok and smoke.identical
     assert set(MTPLX_REQUIRED_KEYS) <= set(data) and mtplx_compat.contract_error(data) is None
-    assert data["arch_id"] == "qwen3-next-mtp" and data["mtp_depth_max"] == 1
+    assert data["arch_id"] == "qwen3-next-mtp"
+    # the smoke decodes at depth 1 (gated) and again at mtplx's default depth 3: both equal plain greedy here
+    assert smoke.deep.depth == 3 and not smoke.deep_mismatches and data["mtp_depth_max"] == 3
+    assert data["exactness_baseline"]["deep_depth"] == 3
     assert data["recommended_profile"] == "sustained"  # mtplx's default, said so in "notes"
     assert "not a measurement" in data["notes"] and "mtplx did not run" in data["verified_on"]["runtime"]
     base = data["exactness_baseline"]
@@ -184,7 +187,7 @@ def test_real_mtplx_accepts_it_and_labels_the_folder_verified(converted):
     done = subprocess.run([str(MTPLX_PYTHON), "-c", script, str(converted[0])], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["qwen3-next-mtp", 1, "verified"]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["qwen3-next-mtp", 3, "verified"]
 
 
 @pytest.fixture()

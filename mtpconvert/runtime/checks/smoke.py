@@ -33,6 +33,7 @@ DEFAULT_PROMPTS = (
 # one < 39% (head norms without +1 0%, fc halves swapped 2.9%, MoE experts reversed 35-39%).
 # Real releases accept ~75-85%.
 DEFAULT_MIN_ACCEPTANCE = 0.40
+DEEP_DEPTH = 3  # mtplx's default serving depth: the smoke checks exactness there too
 
 
 @dataclass
@@ -64,6 +65,10 @@ class SmokeResult:
     divergences: List[Divergence] = field(default_factory=list)
     min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN  # None: reported, not gated
     mlp_gain_paired: Optional[PairedGain] = None  # teacher-forced over each prompt and its plain decode
+    # the same prompts decoded with deeper chains of drafts (mtplx serves at depth 3 by default): exactness at
+    # that depth is what lets mtplx_runtime.json vouch for it
+    deep: DecodeStats = field(default_factory=DecodeStats)
+    deep_mismatches: List[int] = field(default_factory=list)  # prompts whose deep decode differs from plain
 
     @property
     def acceptance(self) -> float:
@@ -103,6 +108,9 @@ class SmokeResult:
             "accepted": sum(self.mtp.accepted),
             "per_prompt": [round(a, 4) for a in self.per_prompt],
             "identical_to_plain_greedy": self.identical,
+            "deep": ({"depth": self.deep.depth, "acceptance_by_depth": [round(a, 4) for a in self.deep.acceptance_by_depth],
+                      "identical_to_plain_greedy": not self.deep_mismatches, "mismatched_prompts": self.deep_mismatches}
+                     if self.deep.depth else None),
             "mismatched_prompts": self.mismatched_prompts,
             "divergences": [d.to_json() for d in self.divergences],
             "min_acceptance": self.min_acceptance,
@@ -172,7 +180,10 @@ def smoke(
     min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
     model: Optional[MTPModel] = None,
     min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN,
+    deep_depth: int = DEEP_DEPTH,
 ) -> SmokeResult:
+    """Plain and MTP greedy decoding of each prompt (depth 1, the gated one), and the same prompts at
+    ``deep_depth`` (0: not run), whose token identity with plain greedy is recorded, never gated."""
     m = model or load_folder(path)
     result = SmokeResult(str(path), hidden, min_acceptance=min_acceptance, min_mlp_gain=min_mlp_gain)
     decoded = []
@@ -186,6 +197,11 @@ def smoke(
         found = divergence(m, i, ids, plain, spec)
         if found is not None:
             result.divergences.append(found)
+        if deep_depth > 1:
+            deep, ds = mtp_generate(m, ids, max_tokens, depth=deep_depth, hidden=hidden)
+            result.deep.add(ds)
+            if deep != plain:
+                result.deep_mismatches.append(i)
     result.mlp_gain_paired = teacher_forced_mlp_gain(m, decoded, hidden)
     return result
 
