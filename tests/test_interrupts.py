@@ -30,6 +30,12 @@ if os.environ.get("MTPCONVERT_TEST_SLOW_TASK"):
 """
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C as a terminal delivers it. A runner started as a background job (``make test &``)
+    starts with SIGINT ignored, which its children inherit; the test is about our handler, not the runner's."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def slow_pool_env(tmp_path, seconds: float) -> dict:
     site = tmp_path / "site"
     site.mkdir()
@@ -116,7 +122,7 @@ def start_slow_pool_conversion(raw_checkpoints, tmp_path):
             "--no-smoke"]
     proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=slow_pool_env(tmp_path, 0.3))
+                            env=slow_pool_env(tmp_path, 0.3), preexec_fn=default_sigint)
     return args, out, proc, tmp_path / ".out.partial" / RESUME_DIR
 
 
@@ -166,7 +172,7 @@ def test_ctrl_c_under_stream_stops_within_seconds(raw_checkpoints, tmp_path, fet
         out = tmp_path / "out"
         proc = subprocess.Popen([sys.executable, "-m", "mtpconvert", "pull-and-quantize", "Qwen/Tiny-MoE", str(out),
                                  "--stream", "--no-smoke", *fetch], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, env=env)
+                                start_new_session=True, env=env, preexec_fn=default_sigint)
         with group_killed_on_exit(proc):
             gets = lambda: [r for r in hub.log if r.method == "GET" and r.path.endswith(".safetensors")]  # noqa: E731
             if fetch:  # past the stubs' two header requests per shard: tensor data
