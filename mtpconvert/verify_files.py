@@ -22,6 +22,7 @@ from .io.checkpoint import Checkpoint
 from .io.reader import TensorReader
 from .io.files import contained
 from .io.head_files import head_problems
+from .plan.head import MTP_DRAFTER_CONFIG
 
 ERROR, WARNING = "error", "warning"  # verify's severities
 
@@ -49,6 +50,18 @@ def _manifest_norms(fmt: str) -> Optional[str]:
     return "zero-centred" if any(w in low for w in ("zero", "centered", "centred")) else None
 
 
+def _read_json(root: Path, name: str, what: str, invalid_code: str, report, rule_what: str = ""):
+    """``root/name`` parsed, through the folder rule (``rule_what`` names it there, default ``what``); None, and a
+    finding naming the file, when it cannot be."""
+    try:
+        return json.loads(contained(root, name, rule_what or what).read_text(encoding="utf-8"))
+    except ConvertError as e:
+        report.add(e.code, ERROR, e.detail, e.key, e.file)
+    except (ValueError, UnicodeDecodeError) as e:
+        report.add(invalid_code, ERROR, f"the {what} is not valid JSON ({e})", file=root / name)
+    return None
+
+
 def check_manifests(root: Path, report) -> None:
     """The manifest vllm-mlx reads next to its head file says how the head's norms are stored: it must be
     a JSON object, and its ``rmsnorm_weight_format`` must match the norms verify measured."""
@@ -56,13 +69,8 @@ def check_manifests(root: Path, report) -> None:
         path = root / name
         if not os.path.lexists(path) or (name == "manifest.json" and not os.path.lexists(root / head_file)):
             continue
-        try:
-            manifest = json.loads(contained(root, name, "manifest").read_text(encoding="utf-8"))
-        except ConvertError as e:
-            report.add(e.code, ERROR, e.detail, e.key, e.file)
-            continue
-        except (ValueError, UnicodeDecodeError) as e:
-            report.add("manifest-invalid", ERROR, f"the head manifest is not valid JSON ({e})", file=path)
+        manifest = _read_json(root, name, "head manifest", "manifest-invalid", report, "manifest")
+        if manifest is None:
             continue
         if not isinstance(manifest, dict):
             report.add("manifest-invalid", ERROR, "the head manifest must be a JSON object", file=path)
@@ -92,21 +100,14 @@ def check_drafter_config(root: Path, config: dict, report) -> None:
     """``mtp/config.json`` makes ``mtp/`` the drafter folder mlx-vlm's ``--draft-model`` takes: it must be the model's
     own config (a ``qwen3_5_mtp`` one would shift the head's norms again, another model's would build another head).
     A warning: only that route is affected, and the table's mlx-vlm-drafter row says it cannot be used."""
-    name = "mtp/config.json"
+    name = MTP_DRAFTER_CONFIG
     if not os.path.lexists(root / name):
         return
-    try:
-        drafter = json.loads(contained(root, name, "drafter config").read_text(encoding="utf-8"))
-    except ConvertError as e:
-        report.add(e.code, ERROR, e.detail, e.key, e.file)
-        return
-    except (ValueError, UnicodeDecodeError) as e:
-        report.add("drafter-config", ERROR, f"the drafter config is not valid JSON ({e})", file=root / name)
-        return
-    if drafter != config:
+    drafter = _read_json(root, name, "drafter config", "drafter-config", report)
+    if drafter is not None and drafter != config:
         differs = sorted(k for k in set(drafter) | set(config) if drafter.get(k) != config.get(k)) \
             if isinstance(drafter, dict) else []
-        report.add("drafter-config", WARNING, "mtp/config.json is not config.json: --draft-model OUT/mtp would build "
+        report.add("drafter-config", WARNING, f"{name} is not config.json: --draft-model OUT/mtp would build "
                    "the drafter from another config (the model folder's own routes are unaffected)" + (f" (differs at {', '.join(differs[:3])})" if differs else ""),
                    differs[0] if differs else None, root / name)
 

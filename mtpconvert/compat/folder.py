@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import LayoutError
 from ..io.files import contained, contained_glob, special_file
+from ..plan.head import MTP_DRAFTER_CONFIG
 from .report import Verdict
 
 MAX_HEADER = 100 * 1024 * 1024  # a safetensors header is JSON; refuse absurd lengths
@@ -80,7 +81,7 @@ def read_header(path: Path) -> dict:
 
 # vllm-mlx reads the manifest next to its head file; mtplx reads mtplx_runtime.json at the root
 MANIFESTS = ("manifest.json", "mtp/manifest.json", "mtplx_runtime.json")
-DRAFTER_CONFIG = "mtp/config.json"
+DRAFTER_CONFIG = MTP_DRAFTER_CONFIG
 
 
 def _read_json(path: Path) -> dict:

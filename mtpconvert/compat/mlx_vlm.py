@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
 
-from .folder import NO_BACKBONE, Folder, _conv_raw, _files_str, _keys_with, _mtp_layers, _no_head, _root, _text
+from .folder import (DRAFTER_CONFIG, NO_BACKBONE, Folder, _conv_raw, _files_str, _keys_with, _mtp_layers, _no_head,
+                     _root, _text)
 from .head import Head, _entry_bits, _head, _moe_expert_layout, _quant, _quant_mismatches, _top
 from .report import PRECISION, RuntimeCompat, Verdict
 
@@ -146,7 +147,7 @@ def compat_drafter_route(folder: Folder, layout: str) -> RuntimeCompat:
     row = compat(folder, layout)
     if layout == "drafter":
         return RuntimeCompat(DRAFTER_ROUTE, VERSION, row.backbone_exact, row.head_usable)
-    name = "mtp/config.json"
+    name = DRAFTER_CONFIG
     drafter = folder.drafter_config
     if drafter is None:
         head = Verdict(False, f"no {name}: OUT/mtp is not a drafter folder (the whole folder works as --draft-model OUT)")

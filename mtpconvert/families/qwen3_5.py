@@ -307,7 +307,12 @@ def contributions(key: str) -> List[Mapped]:
         return [Mapped(key, None, vision="vision_tower." + key[len("model.visual."):])]
     if key.startswith("vision_tower."):
         return [Mapped(key, None, vision=key)]
-    name = _target(key)
+    return mapped_experts(key, _target(key))
+
+
+def mapped_experts(key: str, name: str) -> List[Mapped]:
+    """Source ``key`` under its canonical MLX ``name``: an expert weight as its part of the ``switch_mlp`` stack
+    (one row per expert, or a fused tensor's halves), anything else whole."""
     if m := PER_EXPERT.match(name):
         return [Mapped(key, f"{m['mlp']}.switch_mlp.{m['proj']}.weight", Gather.STACK, int(m["e"]))]
     if m := FUSED_GATE_UP.match(name):

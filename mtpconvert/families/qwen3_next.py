@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 from ..errors import ConfigError, LayoutError
 from . import qwen3_5
 from .base import (A_LOG, BACKBONE, CONV, EMBEDDING, FC, GATED_NORM, LINEAR, MLX, MTP, PARAM, RAW_TEXT, Family,
-                   Gather, Mapped, Slot, config_bool, config_int, config_model_type, resolve_tie)
+                   Mapped, Slot, config_bool, config_int, config_model_type, resolve_tie)
 from .qwen3_5 import FUSED_DOWN, FUSED_GATE_UP, PER_EXPERT
 
 HEAD_PREFIX = "mtp."
@@ -181,14 +181,7 @@ def contributions(key: str) -> List[Mapped]:
     """Every output tensor one source key contributes to (the expert mapping is Qwen3.5's)."""
     if not (key.startswith(("model.", "mtp.")) or key == LM_HEAD):
         raise LayoutError("tensor is outside every Qwen3-Next namespace (model.*, mtp.*, lm_head)", key=key)
-    if m := PER_EXPERT.match(key):
-        return [Mapped(key, f"{m['mlp']}.switch_mlp.{m['proj']}.weight", Gather.STACK, int(m["e"]))]
-    if m := FUSED_GATE_UP.match(key):
-        return [Mapped(key, f"{m['mlp']}.switch_mlp.gate_proj.weight", Gather.GATE_HALF),
-                Mapped(key, f"{m['mlp']}.switch_mlp.up_proj.weight", Gather.UP_HALF)]
-    if m := FUSED_DOWN.match(key):
-        return [Mapped(key, f"{m['mlp']}.switch_mlp.down_proj.weight")]
-    return [Mapped(key, key)]
+    return qwen3_5.mapped_experts(key, key)  # raw names are mlx-lm's here
 
 
 def source_name(mlx_name: str, style: str) -> str:
