@@ -145,6 +145,20 @@ def _save_shards(folder: Path, tensors: Dict[str, np.ndarray], shards: int, dtyp
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _saved(model: torch.nn.Module, folder: Path):
+    """(config.json, every tensor as float32) of transformers' own ``save_pretrained`` of ``model``."""
+    from safetensors.numpy import load_file
+
+    tmp = folder.parent / (folder.name + ".hfsave")
+    model.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    raw = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        raw.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
+    shutil.rmtree(tmp)
+    return config, raw
+
+
 def build(
     folder: Path,
     *,
@@ -187,17 +201,7 @@ def build(
     if tie:
         model.tie_weights()
 
-    tmp = folder.parent / (folder.name + ".hfsave")
-    model.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    from safetensors.numpy import load_file
-
-    raw = {}
-    for f in sorted(tmp.glob("*.safetensors")):
-        raw.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
-    for f in tmp.iterdir():
-        f.unlink()
-    tmp.rmdir()
+    config, raw = _saved(model, folder)
 
     tc = config.get("text_config", config)
     tc["mtp_num_hidden_layers"] = mtp_layers if config_mtp is None else config_mtp
@@ -233,7 +237,6 @@ def build_next(folder: Path, *, mtp_layers: int = 1, shards: int = 2, dtype: str
     ``rope``: ``published`` (``rope_theta`` / ``partial_rotary_factor`` at the top level, as the release has
     them) or ``transformers`` (only ``rope_parameters``, as transformers 5.x saves it).
     """
-    from safetensors.numpy import load_file
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     from mtpconvert.families.qwen3_next import FAMILY, model_spec as next_spec
@@ -243,13 +246,7 @@ def build_next(folder: Path, *, mtp_layers: int = 1, shards: int = 2, dtype: str
                                                                 "partial_rotary_factor": 0.25})
     model = Qwen3NextForCausalLM(cfg).eval()
     _randomise(model, seed)
-    tmp = folder.parent / (folder.name + ".hfsave")
-    model.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    raw = {}
-    for f in sorted(tmp.glob("*.safetensors")):
-        raw.update({k: v.astype(np.float32) for k, v in load_file(str(f)).items()})
-    shutil.rmtree(tmp)
+    config, raw = _saved(model, folder)
     if rope == "published":
         params = config.pop("rope_parameters")
         config.update(rope_theta=params["rope_theta"], partial_rotary_factor=params["partial_rotary_factor"],
