@@ -379,12 +379,16 @@ def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
 def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
           depths: Sequence[int] = (1,), hiddens: Sequence[str] = ("post-norm", "pre-norm"), sampling=None,
           seed: int = 0, on_tokens: Optional[Callable[[int], None]] = None,
-          concurrency: Optional[Sequence[int]] = None):
+          concurrency: Optional[Sequence[int]] = None, oracle: Sequence[float] = (), cuda_qmv: bool = False):
     """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs.
 
     With ``concurrency`` (e.g. [1, 2, 4, 8]): batched MTP against mlx-lm's BatchGenerator at each
     number of concurrent streams, for the first of ``hiddens``
-    (``runtime.measure.batch_bench.ConcurrencyResult``)."""
+    (``runtime.measure.batch_bench.ConcurrencyResult``). ``oracle`` (acceptance rates P, greedy only):
+    every row runs once per P with each draft replaced by the true greedy token with probability P
+    (``runtime.measure.oracle``; with ``concurrency``: ``oracle_batch.OracleConcurrencyResult``).
+    ``cuda_qmv``: on a CUDA device, the multi-row quantized matvec where it measures faster
+    (``runtime.decoding.cuda_qmv``)."""
     from .runtime.decoding.sampling import Sampling
     from .runtime.measure.bench import bench as run
 
@@ -396,15 +400,35 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
         sampling = sampling or Sampling()
     except ValueError as e:
         raise OptionsError(str(e)) from None
+    if oracle and (not sampling.greedy or any(not 0 <= p <= 1 for p in oracle)):
+        raise OptionsError("--oracle-acceptance takes rates in [0, 1] and needs greedy decoding (--temp 0)")
     _readable_shards(Path(path))
+    if concurrency is not None and oracle:
+        from .runtime.checks.smoke import encode_prompts
+        from .runtime.decoding.load import load
+        from .runtime.measure.oracle_batch import bench_concurrency_oracle
+
+        m = load(Path(path))
+        if cuda_qmv:
+            from .runtime.decoding import cuda_qmv as kernel
+
+            kernel.enable(m.model, m.head)
+        return bench_concurrency_oracle(m, str(path), encode_prompts(Path(path), prompts), concurrency, oracle,
+                                        max_tokens, depths, seed, hiddens[0], on_tokens=on_tokens)
     if concurrency is not None:
         from .runtime.checks.smoke import encode_prompts
         from .runtime.decoding.load import load
         from .runtime.measure.batch_bench import bench_concurrency
 
-        return bench_concurrency(load(Path(path)), str(path), encode_prompts(Path(path), prompts), concurrency,
+        m = load(Path(path))
+        if cuda_qmv:
+            from .runtime.decoding import cuda_qmv as kernel
+
+            kernel.enable(m.model, m.head)
+        return bench_concurrency(m, str(path), encode_prompts(Path(path), prompts), concurrency,
                                  max_tokens, depths, sampling, seed, hiddens[0], on_tokens=on_tokens)
-    return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens)
+    return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens, oracle=oracle,
+               cuda_qmv=cuda_qmv)
 
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,

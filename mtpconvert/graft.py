@@ -47,7 +47,7 @@ def _head_config(config: dict, plan) -> dict:
     config = dict(config)
     tc = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     planned_tc = plan.config.get("text_config", plan.config)
-    tc["mtp_num_hidden_layers"] = plan.mtp_layers
+    tc[plan.family.mtp_count_key] = plan.mtp_layers
     if "mtp_hidden_state_mode" in planned_tc:
         tc["mtp_hidden_state_mode"] = planned_tc["mtp_hidden_state_mode"]
     if "mlx_lm_extra_tensors" in plan.config:

@@ -3,8 +3,8 @@
 The recipes ship inside the package (``mtpconvert/data/recipes``, ``recipes/`` in a checkout
 links there), so ``recipe list`` and ``recipe run NAME`` work from a plain ``pip install``.
 
-A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6/3.8 or
-Qwen3-Next repository, options that QuantOptions/ConvertOptions accept, and the runner size it needs
+A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6/3.8, Qwen3-Next
+or GLM (zai-org/GLM-*) repository, options that QuantOptions/ConvertOptions accept, and the runner size it needs
 (``runner``: a key of ``RUNNERS``; the publish workflow runs each recipe on that size).
 
     python -m mtpconvert.recipes matrix 'recipes/Qwen3.5-27B-*.toml' [--runner SIZE]
@@ -33,7 +33,7 @@ from .errors import OptionsError
 from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 
 BUNDLED = Path(__file__).parent / "data" / "recipes"
-REPO = re.compile(r"^Qwen/Qwen3(?:\.[568]|-Next)-[0-9A-Za-z.-]+$")
+REPO = re.compile(r"^(?:Qwen/Qwen3(?:\.[568]|-Next)|zai-org/GLM)-[0-9A-Za-z.-]+$")
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
         "runner", "max_shard_gb", "prefetch_shards", "raw_window_gb"}
 
@@ -66,18 +66,23 @@ class Release:
     recomputes every field)."""
 
     raw_shards: Optional[int]  # safetensors files of the release; None: not known (only a ranged fetch is sized)
-    hidden: int  # lm_head is vocab x hidden; the MTP head's fc is hidden x 2 hidden
-    head_gb: float  # the MTP head's fc, norms and layer 0 in bf16: the sidecar on disk (--mtp keep)
-    layer_b: float  # parameters of the largest decoder layer, in billions
+    hidden: int  # lm_head is vocab x hidden; the MTP head's fc (GLM: eh_proj) is hidden x 2 hidden
+    # the MTP head in bf16: the sidecar on disk (--mtp keep). Qwen: mtp.fc, norms and mtp.layers.0; GLM: the whole
+    # nextn layer model.layers.{num_hidden_layers} (eh_proj, norms, its decoder layer and, in GLM-4.x, its own
+    # embed_tokens and shared_head.head, vocab x hidden each)
+    head_gb: float
+    layer_b: float  # parameters of the largest backbone decoder layer (not the head's), in billions
     tensor_b: float  # parameters of the largest output tensor, in billions: the shard holding it is at least that
-    moe: bool = False  # the head's layer has routed experts
+    moe: bool = False  # the head's layer has routed experts (Qwen: num_experts; GLM: n_routed_experts)
     # raw data on the Hub, GB, where it is not 2 bytes a parameter: a block-FP8 release stores 1 byte per FP8
     # weight plus its BF16 scale per 128 x 128 block (about half)
     raw_gb: Optional[float] = None
     # the two largest raw files, GB rounded up, largest first, where the table gives every file's size (the FP8
     # releases: one file per decoder layer, mtp.safetensors, outside.safetensors); else shards count at the mean
     largest_raw_gb: Tuple[float, ...] = ()
-    vocab: int = 248320  # lm_head is vocab x hidden (Qwen3.5/3.6/3.8: 248,320; Qwen3-Next: 151,936)
+    vocab: int = 248320  # lm_head is vocab x hidden (Qwen3.5/3.6/3.8: 248,320; Qwen3-Next: 151,936; GLM: its config's)
+    # total parameters in billions where the repository's name does not give them (GLM-4.7-Flash, GLM-4.5-Air)
+    params_b: Optional[float] = None
 
     @property
     def head_b(self) -> float:
@@ -86,7 +91,7 @@ class Release:
 
     @property
     def fc_b(self) -> float:
-        """``mtp.fc``'s parameters, in billions: never quantized (docs/transforms.md)."""
+        """``mtp.fc``'s (GLM: ``eh_proj``'s) parameters, in billions: never quantized (docs/transforms.md)."""
         return 2 * self.hidden * self.hidden / 1e9
 
 
@@ -117,6 +122,15 @@ RELEASES: Dict[str, Release] = {
     # has the Instruct release's config (equal content) and is sized from the Instruct table
     "Qwen3-Next-80B-A3B-Instruct": Release(41, 2048, 3.30, 1.65, 0.54, moe=True, vocab=151936),
     "Qwen3-Next-80B-A3B-Thinking": Release(41, 2048, 3.30, 1.65, 0.54, moe=True, vocab=151936),
+    # GLM (zai-org), nextn head: the head is the whole nextn layer model.layers.{num_hidden_layers} (MoE decoder layer,
+    # enorm/hnorm/eh_proj/shared_head.norm, and its own embed_tokens and shared_head.head, vocab x hidden each).
+    # Their tables are reconstructed from the configs with every shard unknown, so only a ranged fetch is sized.
+    # GLM-4.7-Flash (glm4_moe_lite: MLA, 64 routed experts + 1 shared, 47 layers): the largest output tensor is
+    # lm_head (154,880 x 2048)
+    "GLM-4.7-Flash": Release(None, 2048, 2.56, 0.64, 0.32, moe=True, vocab=154880, params_b=31.22),
+    # GLM-4.5-Air (glm4_moe: GQA, 128 routed experts + 1 shared, 46 layers): the largest output tensor is one layer's
+    # stacked routed experts projection (128 x 1408 x 4096)
+    "GLM-4.5-Air": Release(None, 4096, 7.23, 2.34, 0.74, moe=True, vocab=151552, params_b=110.47),
 }
 # runtime.decoding.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
 # before installing; a test keeps the two equal): float32 experts the smoke casts at once, plus the
@@ -152,7 +166,10 @@ class Recipe:
 
     @property
     def params_b(self) -> float:
-        """Total parameters in billions, from the repository name (Qwen3.5-122B-A10B: 122)."""
+        """Total parameters in billions: the release's where it gives them (``Release.params_b``), else from the
+        repository name (Qwen3.5-122B-A10B: 122)."""
+        if self.release.params_b is not None:
+            return self.release.params_b
         return float(re.search(r"-(\d+(?:\.\d+)?)B", self.repo).group(1))
 
     @property
@@ -216,8 +233,9 @@ class Recipe:
     @property
     def head_gb(self) -> float:
         """The MTP head as written: float with ``mtp = "keep"``; with ``match`` at the backbone's bits, with
-        ``mtp_bits`` at those bits (the recipe's group when affine, else 64, as ``plan.quant``), except ``mtp.fc``,
-        which stays float. Its norms and routers (both float) are counted at the head's bits: under 0.01 GB."""
+        ``mtp_bits`` at those bits (the recipe's group when affine, else 64, as ``plan.quant``), except ``mtp.fc``
+        (GLM: ``eh_proj``), which stays float; a GLM-4.x head's own embed_tokens and shared_head.head are at those
+        bits too. Its norms and routers (both float) are counted at the head's bits: under 0.01 GB."""
         r = self.release
         if self.mtp == "drop":
             return 0.0
@@ -309,8 +327,8 @@ def load_recipe(path: Path) -> Recipe:
     if unknown:
         raise OptionsError(f"unknown recipe key {unknown[0]!r}", file=path, key=unknown[0])
     if not isinstance(data.get("repo"), str) or not REPO.match(data["repo"]):
-        raise OptionsError("repo must name a Qwen/Qwen3.5-*, Qwen/Qwen3.6-*, Qwen/Qwen3.8-* or Qwen/Qwen3-Next-* "
-                           "repository", file=path, key="repo")
+        raise OptionsError("repo must name a Qwen/Qwen3.5-*, Qwen/Qwen3.6-*, Qwen/Qwen3.8-*, Qwen/Qwen3-Next-* or "
+                           "zai-org/GLM-* repository", file=path, key="repo")
     types = {"revision": str, "bits": int, "group_size": int, "mtp_bits": int, "mtp": str, "q_mode": str,
              "upload_repo": str, "keep_vision": bool, "dtype": str, "runner": str}
     for key, want in types.items():

@@ -150,7 +150,10 @@ def _config_file(ckpt: Checkpoint) -> Path:
 
 
 def _mtp_count_key(ckpt: Checkpoint) -> str:
-    return ("text_config." if isinstance(ckpt.config.get("text_config"), dict) else "") + "mtp_num_hidden_layers"
+    from .families import family_for
+
+    return (("text_config." if isinstance(ckpt.config.get("text_config"), dict) else "")
+            + family_for(ckpt.config).mtp_count_key)
 
 
 def _file_of(ckpt: Checkpoint, key: Optional[str]):

@@ -97,18 +97,27 @@ def check_manifests(root: Path, report) -> None:
 
 
 def check_drafter_config(root: Path, config: dict, report) -> None:
-    """``mtp/config.json`` makes ``mtp/`` the drafter folder mlx-vlm's ``--draft-model`` takes: it must be the model's
-    own config (a ``qwen3_5_mtp`` one would shift the head's norms again, another model's would build another head).
-    A warning: only that route is affected, and the table's mlx-vlm-drafter row says it cannot be used."""
+    """``mtp/config.json`` makes ``mtp/`` the drafter folder mlx-vlm's ``--draft-model`` takes: it must be what the
+    family writes there (``Family.drafter_config``): for Qwen the model's own config (a ``qwen3_5_mtp`` one would
+    shift the head's norms again), for GLM its ``<model_type>_mtp`` drafter over the model's config; another
+    model's would build another head. A warning: only that route is affected, and the table's mlx-vlm-drafter
+    row says it cannot be used."""
+    from .families import family_for
+
     name = MTP_DRAFTER_CONFIG
     if not os.path.lexists(root / name):
         return
     drafter = _read_json(root, name, "drafter config", "drafter-config", report)
-    if drafter is not None and drafter != config:
-        differs = sorted(k for k in set(drafter) | set(config) if drafter.get(k) != config.get(k)) \
+    try:
+        expected = family_for(config).drafter_config(config)
+    except ConvertError:
+        expected = config  # a config no family takes is reported by the config checks
+    if drafter is not None and drafter != expected:
+        differs = sorted(k for k in set(drafter) | set(expected) if drafter.get(k) != expected.get(k)) \
             if isinstance(drafter, dict) else []
-        report.add("drafter-config", WARNING, f"{name} is not config.json: --draft-model OUT/mtp would build "
-                   "the drafter from another config (the model folder's own routes are unaffected)" + (f" (differs at {', '.join(differs[:3])})" if differs else ""),
+        report.add("drafter-config", WARNING, f"{name} is not the drafter config config.json implies: "
+                   "--draft-model OUT/mtp would build the drafter from another config (the model folder's own "
+                   "routes are unaffected)" + (f" (differs at {', '.join(differs[:3])})" if differs else ""),
                    differs[0] if differs else None, root / name)
 
 

@@ -316,3 +316,112 @@ def resume_command(output: str) -> list:
     words = shlex.split(line.split("resume with: ", 1)[1])
     assert words[0] == "mtpconvert"
     return words[1:]
+
+
+# tiny GLM configs (transformers 5.x classes); layer 0 dense, the others MoE, as in the releases
+GLM_LITE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, routed_scaling_factor=1.8, kv_lora_rank=32, q_lora_rank=48,
+                qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1,
+                norm_topk_prob=True, first_k_dense_replace=1, max_position_embeddings=512, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+GLM_DSA = dict(GLM_LITE, index_topk=4, index_head_dim=32, index_n_heads=4, routed_scaling_factor=2.5)
+GLM_MOE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+               num_experts_per_tok=2, routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1,
+               norm_topk_prob=True, max_position_embeddings=512, rms_norm_eps=1e-5, attention_bias=True,
+               use_qk_norm=False, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)
+GLM = {"glm4_moe_lite": ("Glm4MoeLite", GLM_LITE, 1.0),  # (transformers class prefix, config, partial rotary)
+       "glm_moe_dsa": ("GlmMoeDsa", GLM_DSA, 1.0),
+       "glm4_moe": ("Glm4Moe", GLM_MOE, 0.5)}
+
+
+def _randomise_glm(model: torch.nn.Module, seed: int) -> None:
+    """Plain RMSNorm gains around 1, small biases, scaled matrices: every tensor moves the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if not p.is_floating_point() or "rotary" in name:
+                continue
+            if p.ndim == 1 and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / max(p.shape[-1], 1) ** 0.5)
+
+
+def glm_nextn_layer(raw: Dict[str, np.ndarray], num_layers: int, own_vocab: bool, seed: int) -> Dict[str, np.ndarray]:
+    """The release's nextn layer ``model.layers.{num_layers}.*``: a decoder block shaped like the last (MoE)
+    layer, ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and, where ``own_vocab``, its own
+    ``embed_tokens`` and ``shared_head.head`` (random, so a consumer that borrows the backbone's differs)."""
+    rng = np.random.default_rng(seed)
+    last, head = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    H = raw["model.norm.weight"].shape[0]
+    V = raw["model.embed_tokens.weight"].shape[0]
+
+    def rand(shape, norm=False):
+        if norm:
+            return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        return (rng.standard_normal(shape) / max(shape[-1], 1) ** 0.5).astype(np.float32)
+
+    out = {head + k[len(last):]: rand(v.shape, v.ndim == 1 and k.endswith("weight") and "e_score" not in k)
+           for k, v in raw.items() if k.startswith(last)}
+    out.update({head + "enorm.weight": rand((H,), True), head + "hnorm.weight": rand((H,), True),
+                head + "eh_proj.weight": rand((H, 2 * H)), head + "shared_head.norm.weight": rand((H,), True)})
+    if own_vocab:
+        out.update({head + "embed_tokens.weight": rand((V, H)), head + "shared_head.head.weight": rand((V, H))})
+    return out
+
+
+def build_glm(folder: Path, model_type: str, *, mtp: bool = True, dtype: str = "bfloat16", seed: int = 0,
+              shards: int = 2, **overrides) -> Built:
+    """A raw GLM checkpoint in the release layout: transformers' own model saved (per-expert experts, whole
+    ``kv_b_proj``), the nextn layer in the last shard, a config as the release writes it (``rope_theta``
+    at the top level, ``num_nextn_predict_layers``)."""
+    import transformers
+
+    from mtpconvert.families.glm import VARIANTS
+
+    prefix, base, rotary = GLM[model_type]
+    torch.manual_seed(seed)
+    params = dict(base, **overrides)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if model_type == "glm4_moe":
+        rope["partial_rotary_factor"] = rotary
+    cfg = getattr(transformers, prefix + "Config")(**params, rope_parameters=rope)
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval()
+    _randomise_glm(model, seed)
+    config, raw = _saved(model, folder)
+    params_out = config.pop("rope_parameters", rope)
+    config.update(rope_theta=params_out["rope_theta"], rope_scaling=None)
+    if model_type == "glm4_moe":
+        config["partial_rotary_factor"] = rotary
+    config.pop("mlp_layer_types", None)
+    config.setdefault("first_k_dense_replace", params["first_k_dense_replace"])
+    if model_type == "glm_moe_dsa":
+        config.update(topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1,
+                      rope_parameters={"rope_type": "default", "rope_theta": params_out["rope_theta"]})
+    config["num_nextn_predict_layers"] = 1 if mtp else 0
+    config["dtype"] = dtype  # the stored dtype, as the releases say it
+    head = glm_nextn_layer(raw, config["num_hidden_layers"], VARIANTS[model_type].head_own_vocab, seed + 7) if mtp else {}
+    folder.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    chunks = [sorted(raw)] if shards == 1 else [sorted(raw)[i::shards - 1] for i in range(shards - 1)]
+    chunks[-1 if shards == 1 else len(chunks):] = [chunks[-1] + sorted(head)] if shards == 1 else [sorted(head)]
+    everything = dict(raw, **head)
+    weight_map = {}
+    for name, chunk in zip(names, chunks):
+        stored = {k: torch.from_numpy(np.ascontiguousarray(everything[k])).to(
+            torch.float32 if k.endswith("e_score_correction_bias") else getattr(torch, dtype)) for k in chunk}
+        save_file(stored, str(folder / name), metadata={"format": "pt"})
+        everything.update({k: t.to(torch.float32).numpy() for k, t in stored.items()})
+        weight_map.update({k: name for k in chunk})
+    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    write_tokenizer(folder, MarkovLanguage().words, VOCAB)
+    return Built(folder, model, everything)

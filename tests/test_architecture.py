@@ -103,15 +103,18 @@ def test_every_model_type_belongs_to_one_family_and_loads_in_mlx_lm():
             assert model_type not in seen, f"{model_type} claimed by {seen[model_type]} and {family.name}"
             seen[model_type] = family.name
             importlib.import_module(f"mlx_lm.models.{module}")  # the backbone's loader exists in mlx-lm
-            assert family_for({"model_type": model_type}) is family
+            found = family_for({"model_type": model_type, "num_hidden_layers": 2})
+            assert found.name == family.name and found.head == family.head
 
 
 def test_an_unknown_or_unsupported_model_type_is_named():
     with pytest.raises(ConfigError, match="unknown model_type 'llama'"):
         family_for({"model_type": "llama"})
-    with pytest.raises(ConfigError, match="unsupported model_type 'glm4_moe_lite'") as e:
-        family_for({"model_type": "glm4_moe_lite"})
+    with pytest.raises(ConfigError, match="unsupported model_type 'deepseek_v3'") as e:
+        family_for({"model_type": "deepseek_v3"})
     assert "nextn" in e.value.hint
+    with pytest.raises(ConfigError, match="num_hidden_layers") as e:  # where GLM's nextn layer is
+        family_for({"model_type": "glm4_moe_lite"})
 
 
 def test_families_lists_the_qwen3_5_family(capsys):

@@ -318,3 +318,17 @@ def test_ctrl_c_in_the_demo_is_one_line_and_exit_130(tmp_path, monkeypatch, caps
     assert demo.run(["--out", str(tmp_path / "demo")]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["convert", "SRC", "OUT", "--post-checks", "none"], "No such option: --post-checks"),
+    (["convert", "SRC", "OUT", "--bits", "five"], "Invalid value for '--bits'"),
+])
+def test_a_usage_error_is_a_usage_message_not_a_bug_report(args, message):
+    """The parser's own errors (typer >= 0.29 raises them from its copy of click) exit 2 with click's message."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mtpconvert", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "internal error" not in r.stderr and "Traceback" not in r.stderr

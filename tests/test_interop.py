@@ -197,3 +197,52 @@ def test_mlx_vlm_runs_the_qwen3_next_backbone_and_cannot_draft_as_predicted(obse
     assert c["backbone_exact"] and c["head_found"], c
     assert check_folder(folders["next"]).get("mlx-vlm").head_usable.ok is False
     _agrees(folders["next"], "mlx-vlm", c)
+
+
+@pytest.fixture(scope="module")
+def glm(venvs, tmp_path_factory):
+    """{(model type, folder): the mlx-vlm GLM probe's JSON}: GLM-5 (float32 and a 4-bit head) and GLM-4.7-Flash."""
+    from checkpoints import build_glm
+
+    root = tmp_path_factory.mktemp("glm")
+    out = {}
+    for model_type, name, quant in (("glm_moe_dsa", "f32", {}), ("glm_moe_dsa", "q4-match", dict(bits=4, group_size=32,
+                                    mtp="match")), ("glm4_moe_lite", "f32", {})):
+        raw = root / model_type
+        if not raw.exists():
+            build_glm(raw, model_type, **({"index_topk": 64} if model_type == "glm_moe_dsa" else {}))
+        folder = root / f"{model_type}-{name}"
+        convert_folder(raw, folder, dtype="float32", **quant)  # float32: the CPU's gather_mm
+        r = subprocess.run([str(venvs["mlx-vlm-0.7.10"]), str(run.HERE / "probes" / "mlx_vlm_glm.py"), str(folder),
+                            str(raw), json.dumps([[5, 17, 99, 3, 250, 41, 7, 8], [9, 10, 11, 12, 300]]), "16"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[(model_type, name)] = (folder, json.loads(r.stdout.strip().splitlines()[-1]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["f32", "q4-match"])
+def test_mlx_vlm_drafts_glm5_from_the_drafter_folder_with_plain_greedys_output(glm, name):
+    """``--draft-model OUT/mtp``: mlx-vlm's glm_moe_dsa_mtp drafter loads our head (strictly; 4-bit with its
+    quantization block) and its MTP greedy output equals its plain greedy output; the table predicted it."""
+    folder, res = glm[("glm_moe_dsa", name)]
+    assert res["error"] is None and res["version"] == "0.7.10", res
+    assert res["head_found"] and res["drafter_class"] == "GlmMoeDsaMTPDraftModel"
+    assert res["proposed"] > 0 and res["mtp_tokens"] == res["backbone_tokens"]
+    assert check_folder(folder).get("mlx-vlm-drafter").head_usable.ok
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "glm4_moe_lite"])
+def test_mlx_vlms_splitter_reads_the_same_head_from_the_raw_source(glm, model_type):
+    """mlx-vlm's own splitter over the raw release (``mlx_vlm convert --mtp``) gives exactly our head's tensors
+    (GLM-4.7-Flash's splitter names them model.* / model.mtp_block.* / lm_head: the same values)."""
+    folder, res = glm[(model_type, "f32")]
+    split = res["splitter"]
+    assert split["model_type"] == model_type + "_mtp" and split["keys"] > 20
+    assert split["only_split"] == split["only_ours"] == split["differ"] == [], split
+
+
+def test_mlx_vlm_cannot_draft_glm4_7_flash_as_predicted(glm):
+    folder, res = glm[("glm4_moe_lite", "f32")]
+    assert res["head_found"] is False and "has no attribute 'Model'" in res["error"], res
+    assert res["backbone_tokens"] and check_folder(folder).get("mlx-vlm-drafter").head_usable.ok is False

@@ -250,8 +250,8 @@ def test_option_errors(raw_checkpoints):
 def test_unsupported_model_type(tmp_path):
     from mtpconvert.families import model_spec
 
-    with pytest.raises(ConfigError, match="glm4_moe_lite"):
-        model_spec({"model_type": "glm4_moe_lite"})
+    with pytest.raises(ConfigError, match="deepseek_v3"):
+        model_spec({"model_type": "deepseek_v3"})
     with pytest.raises(ConfigError, match="unknown model_type"):
         model_spec({"model_type": "llama"})
 

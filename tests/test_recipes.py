@@ -29,6 +29,8 @@ from test_layouts import DERIVED_FP8, FP8_TWINS, table_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 NEXT = ("Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Thinking")
+# GLM releases with a recipe (zai-org/...): their tables are reconstructed from the config, every shard unknown
+GLM = ("GLM-4.7-Flash", "GLM-4.5-Air")
 # releases with no vendored tensor table of their own: the one whose table they share (the same config, key for key)
 SAME_TABLE = {"Qwen3-Next-80B-A3B-Thinking": "Qwen3-Next-80B-A3B-Instruct"}
 LAYER = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat
@@ -54,6 +56,8 @@ def test_every_recipe_is_valid():
         assert f"Qwen/{model}" in names
         bits = {r.bits for r in recipes if r.repo == f"Qwen/{model}"}
         assert bits == {4, 6, 8}
+    for model in GLM:
+        assert {r.bits for r in recipes if r.repo == f"zai-org/{model}"} == {4, 6, 8}
     for r in recipes:
         r.quant.validated()
         text = r.path.read_text()
@@ -68,6 +72,8 @@ def test_every_recipe_is_valid():
     ('repo = "meta/llama"\n', "repo"),
     ('repo = "Qwen/Qwen3.7-27B"\n', "repo"),  # no such release: 3.5, 3.6, 3.8 and Qwen3-Next only
     ('repo = "Qwen/Qwen3-Next-80B-A3B-Base"\n', "repo"),  # no runner sizing for it
+    ('repo = "zai-org/GLM-4.6"\n', "repo"),  # a GLM family the converter knows, but no runner sizing for it
+    ('repo = "THUDM/GLM-4.5-Air"\n', "repo"),  # GLM releases are zai-org's
     ('repo = "Qwen/Qwen3.5-27B"\nbits = 5\ngroup_size = 64\nq_mode = "mxfp4"\n', None),
     ('repo = "Qwen/Qwen3.5-27B"\nbits = "4"\n', "bits"),
     ('repo = "Qwen/Qwen3.5-27B"\ncolour = "red"\n', "colour"),
@@ -199,27 +205,39 @@ def test_release_numbers_are_the_vendored_layouts(name):
     """Every Release field, recomputed from the published config, tensor table and shard count (SOURCE.md). Parameters
     leave block-FP8 scales aside; an FP8 release's raw data is its table's bytes, its two largest files those of its
     per-layer files; an FP8 release with no table of its own (DERIVED_FP8: 397B-A17B) is its BF16 table stored the
-    FP8 way, whose files are not known."""
+    FP8 way, whose files are not known. The head is Qwen's mtp.* or GLM's nextn layer model.layers.{num_hidden_layers}
+    (with GLM-4.x's own embed_tokens and shared_head.head; its eh_proj is the fc), which is no backbone layer; GLM's
+    shard counts are not known (SOURCE.md gives none) and its names give no parameter count (Release.params_b)."""
     release, ckpt = RELEASES[name], release_checkpoint(name)
     text = ckpt.config.get("text_config", ckpt.config)
     params = {k: math.prod(t.shape) for k, t in ckpt.tensors.items() if not k.endswith(".weight_scale_inv")}
-    layers = Counter()
+    nextn = str(text["num_hidden_layers"])  # GLM's head; no Qwen key has a layer of that index
+    layers, head = Counter(), 0
     for key, n in params.items():
         m = LAYER.match(key)
-        if m:
+        if key.startswith("mtp.") or (m and m.group(1) == nextn):
+            head += n
+        elif m:
             layers[m.group(1)] += n
     plan = build_plan(ckpt)
     largest = max(math.prod(it.slot.shape) for it in plan.items)  # output tensors: fused raw experts are split
     shards = re.search(rf"^\| {re.escape(SAME_TABLE.get(name, name))} \|.*\| (\d+): ", SOURCE_MD, re.M)
-    assert release.raw_shards == (None if name in DERIVED_FP8 else int(shards.group(1)))
+    if name in DERIVED_FP8 or name in GLM:
+        assert release.raw_shards is None and (name in DERIVED_FP8 or shards is None)
+    else:
+        assert release.raw_shards == int(shards.group(1))
     assert release.hidden == text["hidden_size"] and text["vocab_size"] == release.vocab
-    assert release.head_gb == round(sum(n for k, n in params.items() if k.startswith("mtp.")) * 2 / 1e9, 2)
+    assert release.head_gb == round(head * 2 / 1e9, 2)
     assert release.layer_b == round(max(layers.values()) / 1e9, 2)
-    assert release.moe == ("num_experts" in text)
-    # one layer's stacked routed experts projection, or lm_head / the embedding where that is larger (35B-A3B)
-    experts = text.get("num_experts", 0) * text.get("moe_intermediate_size", 0) * text["hidden_size"]
+    routed = text.get("num_experts", text.get("n_routed_experts", 0))  # Qwen, GLM
+    assert release.moe == (routed > 0)
+    # one layer's stacked routed experts projection, or lm_head / the embedding where that is larger (35B-A3B,
+    # GLM-4.7-Flash)
+    experts = routed * text.get("moe_intermediate_size", 0) * text["hidden_size"]
     assert release.tensor_b == round(largest / 1e9, 2) == round(max(experts, release.vocab * text["hidden_size"]) / 1e9, 2)
-    assert release.fc_b * 1e9 == params["mtp.fc.weight"]
+    assert release.fc_b * 1e9 == params.get("mtp.fc.weight", params.get(f"model.layers.{nextn}.eh_proj.weight"))
+    named = re.search(r"-\d+(?:\.\d+)?B", name)  # Qwen3.5-27B: 27
+    assert release.params_b == (None if named else round(sum(params.values()) / 1e9, 2))
     files = file_bytes(ckpt)
     fp8 = any(t.dtype == "F8_E4M3" for t in ckpt.tensors.values())
     assert release.raw_gb == (round(sum(files.values()) / 1e9, 2) if fp8 else None)  # else 2 bytes a parameter
@@ -426,3 +444,42 @@ def test_qwen3_next_recipes(monkeypatch):
     assert len(jobs) == 8 and {(j["size"], j["raw"]) for j in jobs} == {("standard", "1 shard")}
     result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and all(f"Qwen/{n} " in result.output for n in NEXT), result.output
+
+
+def test_glm_recipes(monkeypatch):
+    """GLM-4.7-Flash and GLM-4.5-Air at 4/6/8-bit bf16 and 4-bit fp16, each on the standard runner with a 1 GB raw
+    window: neither release's shard count or file sizes are known, so whole raw shards cannot be sized. The head is
+    the whole nextn layer: its MoE decoder layer and its own embed_tokens and shared_head.head (vocab x hidden each),
+    kept bf16, all in mtp.safetensors; eh_proj is its fc (float under ``match`` too, as are the routers). lm_head is
+    the release's vocabulary; `recipe list` and the publish workflow's matrix list them."""
+    monkeypatch.chdir(ROOT)
+    recipes = [r for r in list_recipes(ROOT / "recipes") if r.release_name in GLM]
+    assert sorted((r.release_name, r.bits, r.dtype) for r in recipes) == sorted(
+        (n, b, d) for n in GLM for b, d in ((4, "bfloat16"), (4, "float16"), (6, "bfloat16"), (8, "bfloat16")))
+    for r in recipes:
+        dtype = {"bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+        rel, name = r.release, r.path.name
+        assert r.repo == f"zai-org/{r.release_name}" and r.path.stem == f"{r.release_name}-{r.bits}bit-{dtype}"
+        assert r.upload_repo == f"mtpconvert/{r.release_name}-{r.bits}bit-{dtype}-mtp" and r.mtp == "keep"
+        assert r.runner == "standard" and r.raw_window_gb == 1 and r.raw_policy == "1 GB window"
+        assert rel.raw_shards is None and r.raw_shard_gb == math.inf
+        assert smallest_runner(replace(r, raw_window_gb=None, prefetch_shards=0)) is None  # whole shards: unsized
+        assert r.cli_args(stream=True)[:2] == ["pull-and-quantize", r.repo]
+        assert r.cli_args(stream=True)[-3:] == ["--stream", "--raw-window", "1"]
+        assert r.lm_head_gb == pytest.approx(r._gb_at_bits(rel.vocab * rel.hidden / 1e9)) and rel.vocab != VOCAB
+        assert r.raw_release_gb == pytest.approx(2 * rel.params_b)  # the name gives no size
+        # the head as the plan writes it: the float nextn layer with its own vocabulary tensors; under match the
+        # backbone's bits except eh_proj and the routers
+        vocab_gb = 2 * rel.vocab * rel.hidden * 2 / 1e9
+        assert rel.head_gb > vocab_gb and r.head_gb == rel.head_gb
+        match = replace(r, mtp="match")
+        plan = build_plan(release_checkpoint(r.release_name), match.options)
+        head = {it.name: it for it in plan.items if it.shard == MTP_FILE}
+        assert {"mtp.embed_tokens.weight", "mtp.shared_head.head.weight", "mtp.eh_proj.weight"} <= set(head), name
+        assert head["mtp.eh_proj.weight"].quant is None and head["mtp.embed_tokens.weight"].quant is not None
+        assert head["mtp.mlp.gate.weight"].quant is None and head["mtp.mlp.gate.e_score_correction_bias"].quant is None
+        assert match.head_gb == pytest.approx(sum(it.out_bytes for it in head.values()) / 1e9, abs=0.006), name
+    jobs = workflow_matrix("recipes/GLM-*.toml")
+    assert len(jobs) == 8 and {(j["size"], j["raw"]) for j in jobs} == {("standard", "1 GB window")}
+    result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and all(f"zai-org/{n} " in result.output for n in GLM), result.output

@@ -15,7 +15,8 @@ from ..errors import OptionsError
 from . import options as o
 from .errors import handled
 from .helpfmt import Command
-from .render import bench_table, concurrency_table, divergence_text, report_table, runtimes_table
+from .render import (bench_table, concurrency_table, divergence_text, oracle_concurrency_table, report_table,
+                     runtimes_table)
 
 console = Console(stderr=True)
 out_console = Console()
@@ -39,6 +40,8 @@ BENCH_EPILOG = """Examples:
   mtpconvert bench out/ --temp 0.7 --top-p 0.9 --json
 
   mtpconvert bench out/ --concurrency 1,2,4,8 --depth 1 --depth 2
+
+  mtpconvert bench out/ --oracle-acceptance 0.6 --oracle-acceptance 0.8 --oracle-acceptance 0.9
 """
 
 
@@ -131,6 +134,8 @@ def bench(
     top_k: Annotated[int, typer.Option("--top-k", help="Keep only the k most likely tokens (0 = off).")] = 0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled draws.")] = 0,
     concurrency: o.Concurrency = None,
+    oracle: o.OracleAcceptance = None,
+    cuda_qmv: o.CudaQmv = False,
     as_json: o.Json = False,
 ):
     """MTP speculative decoding vs plain decoding: acceptance per depth, tokens/step, tok/s, speedup, step costs.
@@ -145,15 +150,23 @@ def bench(
     prompts = _prompts(prompt)
     levels = _concurrency(concurrency)
     total = 2 * (len(prompts) if prompts else 3) * len(hiddens) * len(depth) * max_tokens
+    oracle = list(oracle or [])
+    if oracle:
+        total *= len(oracle)
     if levels is not None:  # four timed decoders per level and depth
         total = 4 * sum(levels) * len(depth) * max_tokens
+        if oracle:  # BatchGenerator and the plain engine once, MTP once per P
+            total = (2 + len(oracle)) * sum(levels) * len(depth) * max_tokens
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                   TimeElapsedColumn(), console=console, transient=True, disable=as_json) as bar:
         task = bar.add_task("decoding", total=total)
         result = api.bench(path, prompts, max_tokens, depth, hiddens, sampling, seed,
-                           on_tokens=lambda n: bar.advance(task, n), concurrency=levels)
+                           on_tokens=lambda n: bar.advance(task, n), concurrency=levels, oracle=oracle,
+                           cuda_qmv=cuda_qmv)
     if as_json:
-        out_console.print_json(json.dumps(result.to_json()))
+        out_console.print_json(json.dumps(result.to_json(), default=str))
+    elif levels is not None and oracle:
+        oracle_concurrency_table(result, out_console)
     elif levels is not None:
         concurrency_table(result, out_console)
     else:

@@ -152,6 +152,11 @@ def _terminate_as_interrupt() -> None:
         pass
 
 
+# usage errors (unknown option, bad value) as the parser raises them: typer >= 0.29 parses with its own
+# copy of click, whose exceptions are not click's
+CLICK_ERRORS = tuple({click.ClickException,
+                      next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")})
+
 def handled(fn: Callable) -> Callable:
     """Run a command callback under the error table."""
 
@@ -160,7 +165,7 @@ def handled(fn: Callable) -> Callable:
         _terminate_as_interrupt()
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, click.exceptions.Exit, click.ClickException):
+        except (typer.Exit, click.exceptions.Exit, *CLICK_ERRORS):
             raise
         except BaseException as e:  # noqa: BLE001 - the table decides, unknown ones are reported as bugs
             if isinstance(e, (SystemExit, GeneratorExit)):

@@ -12,7 +12,7 @@ from rich.console import Console
 from .. import __version__
 from ..logs import quiet_known_warnings
 from . import check, convert, families, hub, recipe
-from .errors import report
+from .errors import CLICK_ERRORS, report
 from .helpfmt import Group
 
 app = typer.Typer(
@@ -46,7 +46,7 @@ def run(argv: Optional[List[str]] = None) -> int:
         code = command.main(args=argv, prog_name="mtpconvert", standalone_mode=False)
     except click.exceptions.Exit as e:
         return e.exit_code
-    except click.ClickException as e:
+    except CLICK_ERRORS as e:
         e.show()
         return e.exit_code
     except BaseException as e:  # noqa: BLE001 - the error table decides

@@ -63,6 +63,13 @@ Private = Annotated[bool, typer.Option("--private", help="Create the Hub reposit
 Concurrency = Annotated[Optional[str], typer.Option(
     "--concurrency", help="Concurrent streams to bench batched MTP at, comma-separated (e.g. 1,2,4,8), against "
     "mlx-lm's BatchGenerator.", show_default=False)]
+OracleAcceptance = Annotated[Optional[List[float]], typer.Option(
+    "--oracle-acceptance", help="Replace each greedy draft by the true next greedy token with probability P (else "
+    "a wrong one): MTP measured at acceptance P on any model, random weights too; the head still runs. "
+    "Repeatable; every table row and JSON row is labelled with P.", show_default=False, metavar="P")]
+CudaQmv = Annotated[bool, typer.Option(
+    "--cuda-qmv", help="On a CUDA device: use mtpconvert's multi-row 4-bit quantized matvec for the verify passes "
+    "where it measures faster than MLX's and within tolerance (docs/runtime.md).")]
 Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).",
                                                       show_default=False)]
 BaseModel = Annotated[Optional[str], typer.Option(

@@ -73,7 +73,7 @@ def plan_summary(plan: Plan, console: Console) -> None:
                       human_bytes(sum(i.out_bytes for i in items)), q)
     console.print(table)
     console.print(
-        f"layout {plan.style}, norm +1 shift: {'yes (raw source)' if plan.raw else 'no (already MLX)'}, "
+        f"layout {plan.style}, norm +1 shift: {_shift_label(plan)}, "
         f"dtype {plan.dtype}, MTP layers kept: {plan.mtp_layers} (policy {plan.options.quant.mtp}), "
         f"{len(plan.shards)} output shard(s), {len(plan.dropped)} source tensor(s) dropped"
     )
@@ -142,8 +142,12 @@ def bench_table(result, console: Console) -> None:
     """One row per (hidden convention, depth): acceptance, tokens/step, tok/s both ways, speedup, costs."""
     s = result.sampling
     mode = "greedy" if s.greedy else f"temp {s.temperature}, top-p {s.top_p}, top-k {s.top_k or 'off'}"
+    oracle = bool(getattr(result, "oracle", ()))
+    label = "; ORACLE-ACCEPTANCE P: drafts replaced by the true token with probability P" if oracle else ""
     table = Table(title=f"MTP speculative decoding vs mlx-lm's generate_step ({mode}; {result.prompts} prompts x "
-                        f"{result.max_tokens} tokens; {result.to_json()['device']})")
+                        f"{result.max_tokens} tokens; {result.to_json()['device']}{label})")
+    if oracle:
+        table.add_column("oracle P", justify="right")
     for col in ("h_t", "k", "accept (by depth)", "drafted", "tok/step", "mlx-lm tok/s", "MTP tok/s", "speedup",
                 "our loop tok/s", "β / δ / ρ", "pred.", "ovh"):
         table.add_column(col, justify="left" if col == "h_t" else "right")
@@ -151,6 +155,7 @@ def bench_table(result, console: Console) -> None:
         by_depth = "/".join(f"{a:.0%}" for a in r.mtp.acceptance_by_depth)
         c = r.costs
         table.add_row(
+            *([f"{r.oracle.p:g}" if r.oracle is not None else "-"] if oracle else []),
             r.hidden.replace("-norm", ""), str(r.depth), f"{r.mtp.acceptance:.1%} ({by_depth})", f"{r.mtp.draft_share:.1%}",
             f"{r.mtp.tokens_per_step:.2f}", f"{r.plain.decode_tps:.1f}", f"{r.mtp.decode_tps:.1f}",
             f"{r.speedup:.2f}x", f"{r.plain_loop.decode_tps:.1f}",
@@ -202,3 +207,30 @@ def concurrency_table(result, console: Console) -> None:
                   "step with drafting off; speedup: ÷ BatchGenerator; auto: drafting turned off for a step when "
                   "measured to lose at that batch size (DraftPolicy); accept: accepted/proposed drafts per stream",
                   style="dim")
+
+
+def _shift_label(plan) -> str:
+    if plan.raw:
+        return "yes (raw source)"
+    return "no (already MLX)" if plan.family.head.norms_zero_centred else "no (plain RMSNorm gains)"
+
+
+def oracle_concurrency_table(result, console: Console) -> None:
+    """``bench --concurrency ... --oracle-acceptance P``: one row per (depth, streams, P)."""
+    table = Table(title=f"Batched MTP vs mlx-lm's BatchGenerator at ORACLE-ACCEPTANCE P (greedy; {result.max_tokens} "
+                        f"tokens per stream; {result.to_json()['device']})")
+    for col in ("oracle P", "k", "streams", "BatchGenerator tok/s", "plain engine", "MTP tok/s", "speedup", "pred.",
+                "β / δ / ρ", "accept by stream", "ref. misses"):
+        table.add_column(col, justify="right")
+    for r in result.rows:
+        c = r.costs
+        table.add_row(f"{r.p:g}", str(r.depth), str(r.concurrency), f"{r.batchgen.aggregate_tps:.1f}",
+                      f"{r.plain.run.aggregate_tps:.1f}", f"{r.mtp.run.aggregate_tps:.1f}", f"{r.speedup():.2f}x",
+                      f"{r.predicted():.2f}x", f"{c.beta:.2f} / {c.delta:.2f} / {c.rho:.2f}",
+                      " ".join(f"{a:.0%}" for a in r.mtp.run.acceptance), str(r.reference_misses))
+    print_whole(table, console)
+    console.print("oracle-acceptance P: each greedy draft replaced by the true next greedy token with probability P, "
+                  "else a wrong one (the head still runs); speedup: MTP ÷ BatchGenerator tok/s; pred.: tokens per "
+                  "row-step ÷ (β + δ + ρ × share of row-steps with a rejection), costs timed over C sequences at "
+                  "one context; ref. misses: streams whose decode parted from the oracle's reference (GPU "
+                  "near-ties: acceptance there is below P)", style="dim")

@@ -29,7 +29,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Dict
 
-from . import mlx_lm, mlx_vlm, mtplx, pr990, qwen3_next, rapid_mlx, vllm_mlx
+from . import glm, mlx_lm, mlx_vlm, mtplx, pr990, qwen3_next, rapid_mlx, vllm_mlx
 from .folder import (DRAFTER_TYPE, MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, fp8_files, layout_of, planned_folder,
                      read_folder, read_header)
 from .head import Head
@@ -58,7 +58,8 @@ CONTRACTS: Dict[str, Contract] = {
 RUNTIMES = tuple(CONTRACTS)
 
 # family -> its own rows, where the runtimes read that family differently from Qwen3.5's contracts
-FAMILY_ROWS: Dict[str, Callable[[Folder, str], Dict[str, RuntimeCompat]]] = {"qwen3_next": qwen3_next.rows}
+FAMILY_ROWS: Dict[str, Callable[[Folder, str], Dict[str, RuntimeCompat]]] = {
+    "qwen3_next": qwen3_next.rows, "glm4_moe_lite": glm.rows, "glm_moe_dsa": glm.rows, "glm4_moe": glm.rows}
 
 
 def _family_name(config: dict) -> str:

@@ -27,9 +27,9 @@ from ..io.shard_writer import BF16Bits
 from ..plan import PlanItem, SourceRef
 from ..plan.fp8 import BLOCK as FP8_BLOCK
 from ..plan.fp8 import scale_rows
-from ..plan.steps import HALVES, Cast, DequantFP8, Gather, Quantize, SplitGateUp, StackExperts
+from ..plan.steps import HALVES, KV_B_PARTS, Cast, DequantFP8, Gather, Quantize, SplitGateUp, StackExperts
 from . import npquant
-from .ops import apply_steps, dequant_fp8, gather
+from .ops import apply_steps, dequant_fp8, gather, split_kv_b
 
 # measured: 8 MiB pays per-block overhead, 32+ MiB pays page faults (glibc mmaps big blocks);
 # MTPCONVERT_BLOCK_MB overrides it (benchmarks); the bytes written do not depend on it
@@ -66,8 +66,8 @@ def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Bl
     """Split an item into blocks whose source bytes stay under ``max_bytes`` (at least one row each).
     A block-FP8 matrix is split on its 128-row scale blocks, so each block reads whole scale rows."""
     n = rows(item)
-    if n == 0:
-        return [Block(item, 0, 0)]
+    if n == 0 or item.gather in KV_B_PARTS:  # a kv_b part is one attention's [heads, ...]: a few MB, one block
+        return [Block(item, 0, n)]
     # an FP8 source is sized as the BF16 it becomes: its blocks then cost what a BF16 source's do
     work = 2 * sum(math.prod(s.shape) for s in item.sources) if is_fp8(item) else item.in_bytes
     per_row = max(1, work // n)
@@ -93,6 +93,12 @@ def read_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> mx.array
     """The gathered source rows of one block: stacked experts, one half of a fused gate_up, ...;
     block-FP8 sources dequantized as they are read."""
     item, a, b = block.item, block.start, block.stop
+    if item.gather in KV_B_PARTS:
+        src = item.sources[0]
+        whole = (read_fp8(src, ckpt, reader, 0, src.shape[0]) if is_fp8(item)
+                 else reader.read(ckpt.tensors[src.key]))
+        own = item.slot.shape[2] if item.gather is Gather.EMBED_Q else item.slot.shape[1]
+        return split_kv_b(whole, item.gather, item.slot.shape[0], own)[a:b]
     if is_fp8(item):
         if item.gather is Gather.STACK:
             return gather([read_fp8(s, ckpt, reader, 0, leading_rows(s.shape)) for s in item.sources[a:b]],

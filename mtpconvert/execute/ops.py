@@ -117,6 +117,16 @@ def affine_quantize(w: mx.array, bits: int, group_size: int) -> List[mx.array]:
     return [packed.reshape(shape), scale.astype(w.dtype).reshape(shape), bias.astype(w.dtype).reshape(shape)]
 
 
+def split_kv_b(w: mx.array, how: Gather, heads: int, own: int) -> mx.array:
+    """kv_b_proj rows of ``heads`` heads [heads*(nope+v), kv_lora] -> embed_q [heads, kv_lora, nope]
+    (``own`` = nope) or unembed_out [heads, v, kv_lora] (``own`` = v), as mlx-lm's sanitize splits it."""
+    per_head = w.reshape(heads, -1, w.shape[-1])
+    nope = own if how is Gather.EMBED_Q else per_head.shape[1] - own
+    if how is Gather.EMBED_Q:
+        return mx.contiguous(per_head[:, :nope, :].swapaxes(-1, -2))
+    return mx.contiguous(per_head[:, nope:, :])
+
+
 def gather(sources: Sequence[mx.array], how: Gather) -> mx.array:
     if how is Gather.LOAD:
         (w,) = sources

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Set, Union
 
 from .. import __version__
+from ..families import family_for
 from ..io.checkpoint import MTP_FILE, SIDECAR_FILES, VISION_SIDECAR_FILES, Checkpoint
 from ..io.files import contained
 from ..io.output_folder import OutputFolder, describe_os_error
@@ -122,7 +123,7 @@ def link_head(folder: OutputFolder, config: dict) -> None:
     except OSError:
         link.symlink_to(Path("..") / MTP_FILE)
     folder.write_json(MTP_MANIFEST, MTP_MANIFEST_BODY)
-    folder.write_json(MTP_DRAFTER_CONFIG, config)
+    folder.write_json(MTP_DRAFTER_CONFIG, family_for(config).drafter_config(config))
 
 
 def copy_sidecars(src: Path, out: OutputFolder, keep_vision: bool) -> List[str]:

@@ -11,14 +11,16 @@ from typing import Dict, Tuple
 from ..errors import ConfigError
 from .base import Family, config_model_type, text_config
 from .qwen3_5 import FAMILY as QWEN3_5
+from .glm import FAMILIES as GLM_FAMILIES
 from .qwen3_next import FAMILY as QWEN3_NEXT
 
-FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT)
+FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, *GLM_FAMILIES)
 
 # model types seen in releases with an MTP head that no family here converts yet
-_NEXTN = ("its MTP head is a DeepSeek-V3-style nextn layer (layer num_hidden_layers: enorm, hnorm, eh_proj, "
-          "shared_head), a head design no family here converts yet")
-UNSUPPORTED: Dict[str, str] = {t: _NEXTN for t in ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v3")}
+UNSUPPORTED: Dict[str, str] = {
+    "deepseek_v3": ("its nextn head is the GLM design (families/glm.py), but DeepSeek-V3's attention, router and "
+                    "head layer count are not yet a family here"),
+}
 UNSUPPORTED["qwen3_5_mtp"] = ("mlx-vlm's drafter folder (`mlx_vlm.convert --mtp`): the MTP head alone, no model to "
                               "convert; `mtpconvert verify DIR` reads it; convert the model's own release instead")
 
@@ -32,7 +34,7 @@ def family_for(config: dict) -> Family:
             raise ConfigError(f"unsupported model_type {t!r}", file="config.json", hint=UNSUPPORTED[t])
     for family in FAMILIES:
         if wanted in family.model_types:
-            return family
+            return family.bind(family, config) if family.bind is not None else family
     known = sorted(t for family in FAMILIES for t in family.model_types)
     raise ConfigError(f"unknown model_type {config.get('model_type')!r}; expected one of {known}",
                       file="config.json", key="model_type")

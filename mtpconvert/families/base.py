@@ -34,9 +34,12 @@ NORM = "norm"  # zero-centred RMSNorm in the source: +1 on raw weights
 GATED_NORM = "gated_norm"  # linear-attention RMSNormGated: not shifted
 CONV = "conv"  # depthwise conv1d: [C,1,K] raw -> [C,K,1]
 A_LOG = "a_log"  # stays float32
-PARAM = "param"  # dt_bias and biases: cast only
+ROUTER_BIAS = "router_bias"  # a router's score-correction bias (e_score_correction_bias): stays float32
+MULTI = "multi"  # per-head matrices of an MLA attention (embed_q / unembed_out), MultiLinear (quantizable)
+PARAM = "param"  # dt_bias, biases, a bare router weight, a LayerNorm: cast only
 
-QUANTIZABLE = (EMBEDDING, LINEAR, SWITCH, ROUTER, FC)
+QUANTIZABLE = (EMBEDDING, LINEAR, SWITCH, ROUTER, FC, MULTI)
+FLOAT32_KINDS = (A_LOG, ROUTER_BIAS)  # kept float32 whatever --dtype says, as mlx-lm does
 
 # Slot groups
 BACKBONE = "backbone"
@@ -71,6 +74,8 @@ class Gather(str, Enum):
     GATE_HALF = "gate_half"  # first half of a fused [E, 2I, H] gate_up_proj along axis 1
     UP_HALF = "up_half"  # second half of it
     VISION_PATCH = "vision_patch"  # Conv3d patch embedding, moved to channels-last
+    EMBED_Q = "embed_q"  # MLA kv_b_proj [heads*(nope+v), kv_lora] -> per head [heads, kv_lora, nope] (transposed)
+    UNEMBED_OUT = "unembed_out"  # the same kv_b_proj -> per head [heads, v, kv_lora]
 
     @property
     def half(self) -> int:
@@ -79,6 +84,7 @@ class Gather(str, Enum):
 
 
 HALVES = (Gather.GATE_HALF, Gather.UP_HALF)
+KV_B_PARTS = (Gather.EMBED_Q, Gather.UNEMBED_OUT)
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,13 @@ class Family:
     text_prefix: str = ""  # MLX key prefix of the text model (``language_model.`` under a VLM wrapper)
     default_style: str = RAW_VLM  # the style of a folder none of whose keys tells (raw and MLX names coincide)
     loadable_config: Callable[[dict], dict] = lambda config: config  # output config -> what mlx-lm's loader needs
+    # the output config -> mtp/config.json, the drafter folder's config (plan.head.MTP_DRAFTER_CONFIG)
+    drafter_config: Callable[[dict], dict] = lambda config: config
+    mtp_count_key: str = "mtp_num_hidden_layers"  # where the output config states the head's layer count
+    # the head is one decoder layer whose modules sit right under head_prefix (a nextn layer), not head_prefix.layers.{j}
+    single_layer_head: bool = False
+    # rules that depend on the config (the nextn layer's index): config -> the family with those hooks bound
+    bind: Optional[Callable[["Family", dict], "Family"]] = None
 
     def style_of(self, keys: Iterable[str]) -> str:
         """The one key style of a folder; a folder that mixes styles was partly converted."""
@@ -166,6 +179,9 @@ class Family:
 
     def head_layers(self, targets: Iterable[str]) -> Tuple[int, bool]:
         """(number of head decoder layers, whether any head tensor exists) among MLX names."""
+        if self.single_layer_head:
+            any_head = any(t.startswith(self.head_prefix) for t in targets)
+            return int(any_head), any_head
         layers = self.head_prefix + "layers."
         idx = set()
         any_head = False

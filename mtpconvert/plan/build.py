@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import LayoutError, OptionsError
 from ..families import family_for
-from ..families.base import (A_LOG, CONV, MLX, MTP, NORM, QUANT_AUX, RAW_VLM, SWITCH, VISION, Family, Gather, Mapped,
+from ..families.base import (FLOAT32_KINDS, KV_B_PARTS, CONV, MLX, MTP, NORM, QUANT_AUX, RAW_VLM, SWITCH, VISION, Family, Gather, Mapped,
                              Slot, text_config)
 from ..io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint
 from ..options import FLOAT_DTYPES, MTP_LAYOUTS, ConvertOptions
@@ -204,7 +204,8 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         notes=notes,
     )
     plan.config = family.loadable_config(
-        output_config(ckpt.config, spec, n_mtp, quantization_block(decisions, quant), opts.keep_vision))
+        output_config(ckpt.config, spec, n_mtp, quantization_block(decisions, quant), opts.keep_vision,
+                      family.mtp_count_key))
     if sidecar:
         tc = plan.config.get("text_config", plan.config)
         # read by mtplx (mtp_file) and vllm-mlx (hidden state mode); the head drafts from the
@@ -273,10 +274,26 @@ def _match_slots(ckpt: Checkpoint, family: Family, spec, style: str, slots: Dict
         )
 
 
+def _gather_kv_b(ckpt: Checkpoint, slot: Slot, c: Mapped):
+    """An MLA kv_b_proj [heads*(nope+v), kv_lora] as the source of embed_q [heads, kv_lora, nope] or
+    unembed_out [heads, v, kv_lora]: the other part's width is whatever rows per head remain."""
+    heads = slot.shape[0]
+    kv_lora = slot.shape[1] if c.part is Gather.EMBED_Q else slot.shape[2]
+    own = slot.shape[2] if c.part is Gather.EMBED_Q else slot.shape[1]
+    shape = ckpt.tensors[c.source].shape
+    if len(shape) != 2 or shape[1] != kv_lora or shape[0] % heads or shape[0] // heads <= own:
+        raise LayoutError(f"kv_b_proj shape {list(shape)} does not split into {heads} heads of "
+                          f"[{'nope' if c.part is Gather.EMBED_Q else 'v'}={own} + the other part, {kv_lora}]",
+                          file=ckpt.tensors[c.source].file, key=c.source)
+    return (_ref(ckpt, c.source),), c.part
+
+
 def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype: str, quant) -> PlanItem:
     """One slot's item: its sources (shapes checked against the config), steps and quantization."""
     if slot.kind == SWITCH:
         sources, gather = _gather_switch(ckpt, slot, cs, spec)
+    elif len(cs) == 1 and cs[0].part in KV_B_PARTS:
+        sources, gather = _gather_kv_b(ckpt, slot, cs[0])
     else:
         if len(cs) != 1 or cs[0].part is not Gather.LOAD:
             raise LayoutError(f"{len(cs)} source tensors map to {slot.name}", key=cs[0].source)
@@ -318,7 +335,7 @@ def _vision_items(ckpt: Checkpoint, vision: List[Mapped], keep: bool, raw: bool,
 
 
 def _out_dtype(slot: Slot, dtype: str) -> str:
-    return "float32" if slot.kind == A_LOG else dtype
+    return "float32" if slot.kind in FLOAT32_KINDS else dtype
 
 
 def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool, dtype: str,
@@ -373,7 +390,8 @@ def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) ->
 
 
 
-def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision: bool) -> dict:
+def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision: bool,
+                  mtp_count_key: str = "mtp_num_hidden_layers") -> dict:
     """config.json for the output: loadable by stock mlx-lm, honest about MTP and quantization."""
     out = copy.deepcopy(config)
     # a converted source's head placement is re-decided by this conversion's layout
@@ -382,7 +400,7 @@ def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision
     tc = out["text_config"] if "text_config" in out else out
     tc.pop("quantization_config", None)
     tc.pop("mtp_hidden_state_mode", None)
-    tc["mtp_num_hidden_layers"] = mtp_layers
+    tc[mtp_count_key] = mtp_layers
     tc["tie_word_embeddings"] = spec.tie_word_embeddings
     if "text_config" in out:
         out["tie_word_embeddings"] = spec.tie_word_embeddings

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from ..families.base import HALVES, Gather  # noqa: F401  (re-exported: the plan's vocabulary)
+from ..families.base import HALVES, KV_B_PARTS, Gather  # noqa: F401  (re-exported: the plan's vocabulary)
 from .quant import QuantSpec
 
 
@@ -44,6 +44,17 @@ class SplitGateUp:
     @property
     def label(self) -> str:
         return f"split_gate_up[{self.half}]"
+
+
+@dataclass(frozen=True)
+class SplitKVB:
+    """One part of an MLA kv_b_proj, per head (embed_q transposed, or unembed_out); done by the gather."""
+
+    part: str  # Gather.EMBED_Q or Gather.UNEMBED_OUT's value
+
+    @property
+    def label(self) -> str:
+        return f"split_kv_b[{self.part}]"
 
 
 @dataclass(frozen=True)
@@ -92,9 +103,9 @@ class Quantize:
         return f"quantize:{q.bits}b/g{q.group_size}/{q.mode}"
 
 
-Step = Union[DequantFP8, StackExperts, SplitGateUp, PatchChannelsLast, ConvAxis, ShiftNorm, Cast, Quantize]
+Step = Union[DequantFP8, StackExperts, SplitGateUp, SplitKVB, PatchChannelsLast, ConvAxis, ShiftNorm, Cast, Quantize]
 # steps the read and the gather have already done when the chain runs
-GATHER_STEPS = (DequantFP8, StackExperts, SplitGateUp, PatchChannelsLast)
+GATHER_STEPS = (DequantFP8, StackExperts, SplitGateUp, SplitKVB, PatchChannelsLast)
 
 
 def gather_step(gather: Gather):
@@ -105,4 +116,6 @@ def gather_step(gather: Gather):
         return SplitGateUp(gather.half)
     if gather is Gather.VISION_PATCH:
         return PatchChannelsLast()
+    if gather in KV_B_PARTS:
+        return SplitKVB(gather.value)
     return None

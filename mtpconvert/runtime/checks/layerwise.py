@@ -100,11 +100,14 @@ def encode(path: Path, prompts: Optional[Sequence[str]] = None,
 
 def require_head(path: Path, config: dict, head_tensors: Optional[HeadTensors]) -> HeadTensors:
     """The head the check scores, or a LayoutError saying why there is none."""
+    from ...families import family_for
+
     tc = config.get("text_config", config)
-    if head_tensors is None or not int(tc.get("mtp_num_hidden_layers", 0) or 0):
+    count_key = family_for(config).mtp_count_key
+    if head_tensors is None or not int(tc.get(count_key, 0) or 0):
         raise LayoutError(
             "no MTP head: " + ("no mtp.safetensors and no language_model.mtp.* tensors" if head_tensors is None
-                               else "config says mtp_num_hidden_layers=0"),
+                               else f"config says {count_key}=0"),
             file=path,
             hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
         )

@@ -22,7 +22,7 @@ from ...families import family_for
 from ...io.header import TensorInfo, read_header
 from ...io.reader import TensorReader
 from ..decoding.locate import HEAD_PREFIXES, HeadTensors, shard_files
-from ..decoding.mtp import MTPHead, head_class, stack_experts, text_model
+from ..decoding.mtp import MTPHead, make_head, stack_experts, text_model
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -72,6 +72,10 @@ class _Holder(nn.Module):
         setattr(self, name, module)
 
 
+# a nextn head's own vocabulary tensors (GLM-4.x): streamed in row blocks, never held whole
+HEAD_VOCAB = ("embed_tokens.", "shared_head.head.")
+
+
 # --------------------------------------------------------------------------------------------
 # the streaming model
 
@@ -119,6 +123,20 @@ class _Folder:
             self.infos.update(header.tensors)
             lazy.update(mx.load(str(f)))
         self.weights.update(self.shell.sanitize(lazy))
+
+    def add_head_vocab(self, head_tensors: HeadTensors) -> Optional[Tuple[str, str]]:
+        """Open a nextn head's own embedding and output projection lazily (nothing read) under their full keys;
+        return their stems, or None when the head borrows the backbone's."""
+        names = [k for k in head_tensors.tensors if k.startswith(HEAD_VOCAB)]
+        if not names:
+            return None
+        for file in sorted({head_tensors.tensors[k].file for k in names}):
+            lazy = mx.load(str(file))
+            for k in names:
+                if head_tensors.tensors[k].file == file:
+                    self.infos[head_tensors.prefix + k] = head_tensors.tensors[k]
+                    self.weights[head_tensors.prefix + k] = lazy[head_tensors.prefix + k]
+        return head_tensors.prefix + "embed_tokens", head_tensors.prefix + "shared_head.head"
 
     def hold(self, keys: Sequence[str]) -> None:
         """Read the tensors ``keys`` into memory now, so that their file may be deleted before they are used
@@ -172,13 +190,16 @@ class _Folder:
 class _Embedding:
     """The prompts' rows of the input embedding, through mlx's own (Quantized)Embedding."""
 
-    def __init__(self, folder: _Folder, token_ids: Sequence[Sequence[int]]):
-        stem = folder.text + "model.embed_tokens"
+    def __init__(self, folder: _Folder, token_ids: Sequence[Sequence[int]], stem: Optional[str] = None):
+        """``stem``: another embedding's key stem (a nextn head's own, opened with ``_Folder.add_head_vocab``)."""
+        prefixes = (folder.text + "model.",) if stem is None else (stem.rsplit("embed_tokens", 1)[0],)
+        stem = stem or folder.text + "model.embed_tokens"
         uniq = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids]))
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= folder._info(stem + ".weight").shape[0]):
             raise ValueError(f"token ids outside the embedding (0..{folder._info(stem + '.weight').shape[0] - 1})")
-        holder = _Holder("embed_tokens", text_model(folder.shell).model.embed_tokens)
-        _quantize(holder, (folder.text + "model.",), folder.quant, folder.weights)
+        vocab, hidden = folder._info(stem + ".weight").shape[0], folder.args.hidden_size
+        holder = _Holder("embed_tokens", nn.Embedding(vocab, hidden))
+        _quantize(holder, prefixes, folder.quant, folder.weights)
         self.module = holder.embed_tokens
         self.module.update({k.rsplit(".", 1)[1]: folder.gather_rows(k, uniq) for k in folder._module_keys(stem)})
         mx.eval(self.module.parameters())
@@ -194,15 +215,23 @@ class _Embedding:
 
 
 def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bool, dtype, block_bytes: int,
-                        progress: Callable[[str], None]) -> Tuple[List[List[List[int]]], int]:
+                        progress: Callable[[str], None], stem: Optional[str] = None) -> Tuple[List[List[List[int]]], int]:
     """Running argmax of lm_head over vocabulary blocks, for every state array in ``states``
-    (``states[p][j]``: prompt p's j-th [1, L, H] array). Returns argmax ids, and the largest block's bytes."""
+    (``states[p][j]``: prompt p's j-th [1, L, H] array). Returns argmax ids, and the largest block's bytes.
+    ``stem``: another output projection's key stem (a nextn head's ``shared_head.head``)."""
     lm = text_model(folder.shell)
-    tied = folder.args.tie_word_embeddings
-    stem = folder.text + ("model.embed_tokens" if tied else "lm_head")
+    tied = stem is None and getattr(folder.args, "tie_word_embeddings", False)
     name = "embed_tokens" if tied else "lm_head"
-    holder = _Holder(name, lm.model.embed_tokens if tied else lm.lm_head)
-    _quantize(holder, (folder.text + "model.",) if tied else (folder.text,), folder.quant, folder.weights)
+    if stem is not None:
+        vocab = folder._info(stem + ".weight").shape[0]
+        holder = _Holder(stem.rsplit(".", 1)[1], nn.Linear(folder.args.hidden_size, vocab, bias=False))
+        name = stem.rsplit(".", 1)[1]
+        prefixes = (stem[: -len(name)],)
+    else:
+        stem = folder.text + ("model.embed_tokens" if tied else "lm_head")
+        holder = _Holder(name, lm.model.embed_tokens if tied else lm.lm_head)
+        prefixes = (folder.text + "model.",) if tied else (folder.text,)
+    _quantize(holder, prefixes, folder.quant, folder.weights)
     module = getattr(holder, name)
     keys = folder._module_keys(stem)
     if not keys:
@@ -264,7 +293,9 @@ def _load_layer(folder: _Folder, i: int) -> nn.Module:
 def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
     """The head's fc, norms and first layer (the one every first draft uses), as runtime.decoding.load builds it."""
     files = sorted({t.file for t in head_tensors.tensors.values()})
-    wanted = {k for k in head_tensors.tensors if not k.startswith("layers.") or k.startswith("layers.0.")}
+    # a nextn head's own embedding and output projection are streamed in row blocks like the backbone's
+    wanted = {k for k in head_tensors.tensors if (not k.startswith("layers.") or k.startswith("layers.0."))
+              and not k.startswith(HEAD_VOCAB)}
     weights = {}
     for f in files:
         lazy = mx.load(str(f))
@@ -274,7 +305,9 @@ def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
                 weights[k] = lazy[full]
         del lazy
     weights = stack_experts(weights, folder.family)
-    head = head_class(folder.family)(folder.args, 1, type(text_model(folder.shell).model.layers[0]))
+    head = make_head(folder.family, folder.shell, 1)
+    for name in ("embed_tokens", "shared_head"):
+        head.pop(name, None)  # read by row blocks (head_vocab), not held
     prefixes = (head_tensors.prefix,) + tuple(p for p in HEAD_PREFIXES if p != head_tensors.prefix)
     _quantize(head, prefixes, folder.quant, {head_tensors.prefix + k: v for k, v in weights.items()})
     try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ...errors import LayoutError
 from ..decoding.locate import HeadTensors
@@ -126,6 +127,17 @@ def agreement(backbone_next: Sequence[int], head_next: Sequence[int]) -> Tuple[i
     return sum(int(a == b) for a, b in zip(backbone_next[:n], head_next[:n])), n
 
 
+def layer_mask(layer: nn.Module, x: mx.array):
+    """The mask a decoder layer's forward takes with no cache, as its text model builds it: the SSM mask
+    for linear attention; for attention, mlx-lm's "causal" shorthand where the model uses it (Qwen), an
+    array where the model builds one (GLM's MLA, GLM-5's indexer)."""
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    if getattr(layer, "is_linear", False):
+        return create_ssm_mask(x, None)
+    return create_attention_mask(x, None, return_array=not hasattr(layer, "is_linear"))
+
+
 def head_states(head: MTPHead, hidden: mx.array, next_embeddings: mx.array) -> Tuple[mx.array, mx.array]:
     """The head's first-layer states over every position (fresh KV cache), intact and with that
     layer's MLP removed (``runtime.checks.mlp_gain``): the second costs one more pass of one layer."""
@@ -193,8 +205,6 @@ class TeacherForcedPass:
         self.result.seconds += time.perf_counter() - t0
 
     def run_layer(self) -> None:
-        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
         t0 = time.perf_counter()
         i = self.next_layer
         self.progress(f"layer {i + 1}/{self.layers}")
@@ -202,9 +212,7 @@ class TeacherForcedPass:
         _finish_layer(layer, self.exact, self.dtype)
         self.result.stages.append((f"layer {i}", _param_bytes(layer)))
         for p, x in enumerate(self.xs):
-            # as Qwen3_5TextModel.__call__ with cache=None
-            mask = create_ssm_mask(x, None) if layer.is_linear else create_attention_mask(x, None)
-            self.xs[p] = layer(x, mask=mask, cache=None)
+            self.xs[p] = layer(x, mask=layer_mask(layer, x), cache=None)
             mx.eval(self.xs[p])
         del layer
         gc.collect()
@@ -226,6 +234,13 @@ class TeacherForcedPass:
         mx.eval(hs)
 
         self.progress("MTP head")
+        vocab = folder.add_head_vocab(head_tensors)
+        if vocab is not None:  # a nextn head with its own embedding: embed(t+1) through it
+            emb = _Embedding(folder, self.token_ids, stem=vocab[0])
+            self.nexts = [emb(ids[1:]).astype(self.dtype) for ids in self.token_ids]
+            mx.eval(self.nexts)
+            result.stages.append(("head embedding rows", emb.nbytes))
+            del emb
         head = _load_head(folder, head_tensors)
         _finish_layer(head, self.exact, self.dtype)
         result.stages.append(("mtp head (fc, norms, layer 0)", _param_bytes(head)))
@@ -238,8 +253,15 @@ class TeacherForcedPass:
         gc.collect()
         mx.clear_cache()
 
-        ids, block = _run_lm_head_blocks(folder, [[h, *s] for h, s in zip(hs, states)], self.exact, self.dtype,
-                                         vocab_block_bytes, self.progress)
+        if vocab is None:
+            ids, block = _run_lm_head_blocks(folder, [[h, *s] for h, s in zip(hs, states)], self.exact, self.dtype,
+                                             vocab_block_bytes, self.progress)
+        else:  # the backbone's states through lm_head, the head's through its own shared_head.head
+            bb, block = _run_lm_head_blocks(folder, [[h] for h in hs], self.exact, self.dtype, vocab_block_bytes,
+                                            self.progress)
+            hd, head_block = _run_lm_head_blocks(folder, [list(s) for s in states], self.exact, self.dtype,
+                                                 vocab_block_bytes, self.progress, stem=vocab[1])
+            ids, block = [b + h for b, h in zip(bb, hd)], max(block, head_block)
         result.stages.append(("lm_head block", block))
         for bb, hd, hd0 in ids:
             result.backbone_next.append(bb[1:])
@@ -267,8 +289,6 @@ def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "po
                         min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
                         min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN) -> LayerwiseResult:
     """``m``: a ``runtime.decoding.load.MTPModel``. Uses the stock forward of mlx-lm's text model."""
-    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
     result = LayerwiseResult("", hidden, "loaded", True, min_acceptance, min_mlp_gain=min_mlp_gain)
     inner = m.lm.model
     for ids in token_ids:
@@ -276,17 +296,16 @@ def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "po
             continue
         tokens = mx.array([list(ids)])
         x = inner.embed_tokens(tokens)
-        for layer in inner.layers:  # Qwen3_5TextModel.__call__ without the final norm
-            mask = create_ssm_mask(x, None) if layer.is_linear else create_attention_mask(x, None)
-            x = layer(x, mask=mask, cache=None)
+        for layer in inner.layers:  # the text model's own forward without the final norm
+            x = layer(x, mask=layer_mask(layer, x), cache=None)
         h = inner.norm(x)
         feed = h if hidden == "post-norm" else x
         s, s0 = head_states(m.head, feed[:, :-1], m.embed(tokens[:, 1:]))
         bb = mx.argmax(m.logits(h), axis=-1).reshape(-1).tolist()[1:]
-        hd = mx.argmax(m.logits(s), axis=-1).reshape(-1).tolist()
+        hd = mx.argmax(m.draft_logits(s), axis=-1).reshape(-1).tolist()
         result.prompt_tokens.append(len(ids))
         result.backbone_next.append(bb)
         result.head_next.append(hd)
-        result.head_next_without_mlp.append(mx.argmax(m.logits(s0), axis=-1).reshape(-1).tolist())
+        result.head_next_without_mlp.append(mx.argmax(m.draft_logits(s0), axis=-1).reshape(-1).tolist())
         result.per_prompt.append(agreement(bb, hd))
     return result

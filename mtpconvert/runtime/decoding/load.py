@@ -22,7 +22,7 @@ from ...errors import LayoutError
 from ...families import family_for
 from ...families.base import RAW_TEXT, RAW_VLM, Family
 from .locate import HEAD_PREFIXES, locate_mtp
-from .mtp import MTPHead, head_class, stack_experts, text_model
+from .mtp import MTPHead, make_head, stack_experts, text_model
 
 
 @dataclass
@@ -36,10 +36,19 @@ class MTPModel:
         return text_model(self.model)
 
     def embed(self, tokens: mx.array) -> mx.array:
+        """The embedding the head reads: its own where it has one (GLM-4.x's nextn), else the backbone's."""
+        if "embed_tokens" in self.head:
+            return self.head.embed_tokens(tokens)
         return self.lm.model.embed_tokens(tokens)
 
+    def draft_logits(self, state: mx.array) -> mx.array:
+        """Logits of a head state: through the head's own output projection where it has one."""
+        if "shared_head" in self.head:
+            return self.head.shared_head.head(state)
+        return self.logits(state)
+
     def logits(self, hidden: mx.array) -> mx.array:
-        if self.lm.args.tie_word_embeddings:
+        if getattr(self.lm.args, "tie_word_embeddings", False):
             return self.lm.model.embed_tokens.as_linear(hidden)
         return self.lm.lm_head(hidden)
 
@@ -106,7 +115,7 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
             hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
         )
     lm = text_model(model)
-    head = head_class(family)(lm.args, n, type(lm.model.layers[0]))
+    head = make_head(family, model, n)
     quant: Optional[dict] = config.get("quantization")
     if quant:
         def predicate(p, m):

@@ -75,13 +75,16 @@ def _is_int(value) -> bool:
 def _check_head_config(path: Path, config: dict, head: HeadTensors) -> None:
     """What the loader builds the head from: config's MTP layer count (the head's own) and the
     quantization entries of its modules (a quantized entry needs scales, an unquantized one none)."""
+    from ...families import family_for
+
     cfg = path / "config.json"
     tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    key = ("text_config." if tc is not config else "") + "mtp_num_hidden_layers"
-    n = tc.get("mtp_num_hidden_layers")
-    layers = {int(m.group(1)) for k in head.tensors if (m := re.match(r"layers\.(\d+)\.", k))}
-    if not _is_int(n) or n != len(layers):
-        raise LayoutError(f"config.json says mtp_num_hidden_layers={n!r}, the head has {len(layers)} layer(s)",
+    family = family_for(config)
+    key = ("text_config." if tc is not config else "") + family.mtp_count_key
+    n = tc.get(family.mtp_count_key)
+    layers, _ = family.head_layers(family.head_prefix + k for k in head.tensors)
+    if not _is_int(n) or n != layers:
+        raise LayoutError(f"config.json says {family.mtp_count_key}={n!r}, the head has {layers} layer(s)",
                           file=cfg, key=key, code="mtp-count")
     quant = config.get("quantization")
     if quant is None:

@@ -6,6 +6,13 @@ h' = decoder_layer(h', own KV cache)          (a full-attention Qwen3.5 layer)
 logits(t+2) = lm_head(norm(h'))               (lm_head shared with the backbone)
 
 With several MTP layers, draft step k uses layer k mod n (vLLM's convention).
+
+nextn (``NextNHead``, GLM; DeepSeek-V3's design):
+h' = eh_proj(concat[enorm(embed(t+1)), hnorm(h_t)])
+h' = decoder_layer(h', own KV cache)          (a backbone layer: its attention and its MoE)
+logits(t+2) = shared_head.head(shared_head_norm(h'))   (the backbone's lm_head where the head has none;
+                                               embed likewise: ``MTPModel.embed`` / ``draft_logits``)
+The block's modules sit at the head's top level (``self_attn``, ``mlp``...), as mlx-vlm's drafter holds them.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from ...execute.ops import gather
@@ -68,13 +75,58 @@ class MTPHead(nn.Module):
         return self.norm(h)
 
 
-# the runtime's module for each head design a family names (``HeadDesign.forward``)
-HEADS = {"qwen3_5-mtp": MTPHead}
+class SharedHead(nn.Module):
+    """A nextn head's own output projection (``shared_head.head``)."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.head = nn.Linear(hidden, vocab, bias=False)
 
 
-def head_class(family: Family):
-    """The head module that runs ``family``'s head design."""
-    return HEADS[family.head.forward]
+class NextNHead(nn.Module):
+    def __init__(self, model: nn.Module, own_vocab: bool):
+        super().__init__()
+        lm = text_model(model)
+        args = lm.args
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.enorm = nn.RMSNorm(H, eps=eps)
+        self.hnorm = nn.RMSNorm(H, eps=eps)
+        # the backbone's decoder-layer class at the nextn layer's index: mlx-lm then builds its MoE block
+        layer_class = type(lm.model.layers[0])
+        block = layer_class(args, layer_idx=args.num_hidden_layers)
+        for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+            setattr(self, name, block[name])
+        self._block = layer_class.__call__  # runs on this module's own block attributes
+        self.shared_head_norm = nn.RMSNorm(H, eps=eps)
+        if own_vocab:
+            self.embed_tokens = nn.Embedding(args.vocab_size, H)
+            self.shared_head = SharedHead(H, args.vocab_size)
+        self._new_cache = lambda: make_prompt_cache(model)[-1]  # the backbone's cache kind (KVCache, CacheList)
+
+    @property
+    def layers(self) -> list:
+        """One decoder layer: the head itself (speculative decoding and the batched engine count these)."""
+        return [self]
+
+    def make_cache(self) -> list:
+        return [self._new_cache()]
+
+    def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: Optional[list] = None,
+                 step: int = 0) -> mx.array:
+        """As MTPHead: the head's state after ``shared_head_norm`` (logits through ``MTPModel.draft_logits``)."""
+        x = self.eh_proj(mx.concatenate([self.enorm(next_embeddings), self.hnorm(hidden)], axis=-1))
+        c = cache[0] if cache is not None else None
+        mask = create_attention_mask(x, c[0] if isinstance(c, CacheList) else c, return_array=True)
+        return self.shared_head_norm(self._block(self, x, mask, c))
+
+
+def make_head(family: Family, model: nn.Module, num_layers: int) -> nn.Module:
+    """The (empty) head module that runs ``family``'s head design on ``model``."""
+    lm = text_model(model)
+    if family.head.forward == "nextn":
+        return NextNHead(model, own_vocab="lm_head" not in family.head.shares)
+    return MTPHead(lm.args, num_layers, type(lm.model.layers[0]))
 
 
 def stack_experts(weights: Dict[str, mx.array], family: Family) -> Dict[str, mx.array]:

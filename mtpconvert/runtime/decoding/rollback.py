@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
@@ -154,13 +154,17 @@ def enable_rollback(model: nn.Module) -> None:
     cache is not a RollbackArraysCache) stay exactly mlx-lm's.
     """
     for layer in text_model(model).model.layers:
-        if layer.is_linear and type(layer.linear_attn) in RECORDING:
+        if getattr(layer, "is_linear", False) and type(layer.linear_attn) in RECORDING:
             layer.linear_attn.__class__ = RECORDING[type(layer.linear_attn)]
 
 
 def make_rollback_cache(model: nn.Module, max_pass: int = 16) -> list:
-    """Caches for a speculative decode: passes of up to ``max_pass`` tokens can be undone."""
-    return [RollbackArraysCache(max_pass) if layer.is_linear else KVCache() for layer in text_model(model).model.layers]
+    """Caches for a speculative decode: passes of up to ``max_pass`` tokens can be undone. A model without
+    linear attention keeps mlx-lm's own caches (KVCache, or GLM-5's CacheList of two), which trim."""
+    layers = text_model(model).model.layers
+    if not any(getattr(layer, "is_linear", False) for layer in layers):
+        return make_prompt_cache(model)
+    return [RollbackArraysCache(max_pass) if layer.is_linear else KVCache() for layer in layers]
 
 
 def rollback(cache: list, keep: int, length: int) -> None:

@@ -34,8 +34,10 @@ from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from .load import MTPModel
+from . import cuda_qmv
 from .rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
 from .sampling import Sampling, accept_drafts, categorical
 
@@ -105,14 +107,22 @@ class DecodeStats:
 
 
 def backbone_forward(m: MTPModel, tokens: mx.array, cache: list):
-    """Run the backbone; return (pre-norm, post-norm) hidden states of every position."""
+    """Run the backbone; return (pre-norm, post-norm) hidden states of every position. A model without
+    linear attention runs its own forward, which gives the post-norm states only (pre-norm is None)."""
     inner = m.lm.model
+    if not hasattr(inner, "fa_idx"):
+        return None, inner(tokens, cache)
     x = inner.embed_tokens(tokens)
     fa_mask = create_attention_mask(x, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(x, cache[inner.ssm_idx])
     for layer, c in zip(inner.layers, cache):
         x = layer(x, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
     return x, inner.norm(x)
+
+
+def cache_offset(cache) -> int:
+    """Tokens an attention layer's cache holds (GLM-5's CacheList: its first cache's)."""
+    return cache[0].offset if isinstance(cache, CacheList) else cache.offset
 
 
 def linear_states(cache: list) -> List[mx.array]:
@@ -134,7 +144,7 @@ def plain_generate(
     """Baseline: stock mlx-lm forward, one token per step, same sampler. Returns (tokens, stats)."""
     keys = _seed_keys(seed)
     stats = DecodeStats(prompt_tokens=len(prompt))
-    cache = m.model.make_cache()
+    cache = make_prompt_cache(m.model)
     t0 = time.perf_counter()
     logits = m.model(mx.array([list(prompt)]), cache=cache)[:, -1]
     tok = sampling.sample(logits, next(keys))
@@ -163,15 +173,25 @@ def prepare_speculative(m: MTPModel, depth: int, hidden: str) -> None:
         raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
     if len(m.head.layers) != 1:
         raise ValueError("speculative decoding supports one MTP layer (every Qwen3.5/3.6 release has one)")
+    if hidden == "pre-norm" and not hasattr(m.lm.model, "fa_idx"):
+        raise ValueError(f"hidden=pre-norm: the {m.config.get('model_type')} backbone runs as mlx-lm's own "
+                         "forward, which gives post-norm states only")
     enable_rollback(m.model)
+    cuda_qmv.auto(m)  # MTPCONVERT_CUDA_QMV=1 on CUDA: multi-row quantized matvec for the verify passes
 
 
 def mtp_generate(
     m: MTPModel, prompt: Sequence[int], max_tokens: int, depth: int = 1, sampling: Sampling = Sampling(),
     hidden: str = "post-norm", seed: Optional[int] = None, eos: Sequence[int] = (),
     on_tokens: Optional[Callable[[int], None]] = None, check_offsets: bool = False, overlap: bool = False,
+    draft_hook: Optional[Callable[[int, mx.array], mx.array]] = None,
 ):
-    """Speculative decode with the MTP head. Returns (tokens, stats); see the module doc."""
+    """Speculative decode with the MTP head. Returns (tokens, stats); see the module doc.
+
+    ``draft_hook(position, proposed) -> drafted`` (greedy only) may replace each greedy draft, at
+    output index ``position``, before it is chained and verified (``measure/oracle.py``)."""
+    if draft_hook is not None and not sampling.greedy:
+        raise ValueError("draft_hook needs greedy decoding")
     prepare_speculative(m, depth, hidden)
     keys = _seed_keys(seed)
     stats = DecodeStats(depth=depth, prompt_tokens=len(prompt), proposed=[0] * depth, accepted=[0] * depth)
@@ -194,15 +214,18 @@ def mtp_generate(
         # 1. draft
         drafts, q_rows = [], []
         x = m.head(pend_h, m.embed(pend_t), mtp_cache)[:, -1:]
-        if check_offsets and mtp_cache[0].offset != cache[m.lm.model.fa_idx].offset:
-            raise AssertionError(f"MTP cache at {mtp_cache[0].offset}, backbone at {cache[m.lm.model.fa_idx].offset}")
+        if check_offsets and cache_offset(mtp_cache[0]) != cache_offset(cache[getattr(m.lm.model, "fa_idx", 0)]):
+            raise AssertionError(f"MTP cache at {cache_offset(mtp_cache[0])}, backbone at "
+                                 f"{cache_offset(cache[getattr(m.lm.model, 'fa_idx', 0)])}")
         for j in range(depth):
             if j:
                 x = m.head(x, m.embed(drafts[-1][None]), mtp_cache)
-            q_logits = m.logits(x)[:, -1]
+            q_logits = m.draft_logits(x)[:, -1]
             key = next(keys)
             if sampling.greedy:  # greedy acceptance compares argmaxes; no distributions needed
                 drafts.append(mx.argmax(q_logits, axis=-1))
+                if draft_hook is not None:
+                    drafts[-1] = draft_hook(len(out) + j, drafts[-1])
             else:
                 q_rows.append(sampling.probs(q_logits))
                 drafts.append(categorical(q_rows[-1], key))

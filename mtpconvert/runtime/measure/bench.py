@@ -27,6 +27,8 @@ from ..decoding.rollback import RollbackArraysCache, enable_rollback, make_rollb
 from ..decoding.sampling import Sampling
 from ..decoding.speculative import DecodeStats, backbone_forward, mtp_generate, plain_generate
 from .baseline import DECODER, mlx_lm_generate
+from .oracle import LABEL as ORACLE_LABEL
+from .oracle import Oracle, parted
 
 
 @dataclass
@@ -39,6 +41,7 @@ class StepCosts:
     undo: float  # extra for a rejection: linear-attention states recomputed for the kept prefix
     head: float  # one MTP head step (fc + decoder layer + lm_head)
     depth: int
+    rows: int = 1  # sequences in each timed pass (batched step costs: B rows at the same context)
 
     @property
     def beta(self) -> float:
@@ -61,7 +64,7 @@ class StepCosts:
 
     def to_json(self) -> dict:
         return {
-            "context": self.context, "depth": self.depth,
+            "context": self.context, "depth": self.depth, "rows": self.rows,
             "decode_1_ms": round(1e3 * self.decode_1, 3), "verify_ms": round(1e3 * self.verify, 3),
             "undo_ms": round(1e3 * self.undo, 3), "head_ms": round(1e3 * self.head, 3),
             "beta": round(self.beta, 3), "delta": round(self.delta, 3), "rho": round(self.rho, 3),
@@ -82,6 +85,9 @@ class BenchRow:
     # greedy only: where MTP's tokens first part from mlx-lm's, with mlx-lm's top-2 logit margin
     # there (a near-tie is a kernel difference between a k+1-token pass and a 1-token step)
     divergences: Optional[List[Divergence]] = None
+    # oracle-acceptance P (measure/oracle.py): drafts replaced by the true greedy token with probability P
+    oracle: Optional[Oracle] = None
+    reference_misses: int = 0  # prompts whose timed MTP decode parted from the oracle's reference
 
     @property
     def mismatched_prompts(self) -> Optional[List[int]]:
@@ -127,6 +133,10 @@ class BenchRow:
             out["predicted_speedup"] = round(
                 self.costs.predicted_speedup(self.mtp.tokens_per_step, self.reject_share), 3)
             out["loop_overhead"] = round(self.overhead, 3)
+        if self.oracle is not None:
+            out["oracle_acceptance"] = self.oracle.p
+            out["oracle"] = dict(self.oracle.stats.to_json(), reference_misses=self.reference_misses,
+                                 label=ORACLE_LABEL)
         return out
 
 
@@ -137,9 +147,11 @@ class BenchResult:
     max_tokens: int
     prompts: int
     rows: List[BenchRow] = field(default_factory=list)
+    oracle: Sequence[float] = ()
+    kernel: Optional[dict] = None  # --cuda-qmv: whether it ran and which kernel each (shape, rows) uses
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "path": self.path,
             "sampling": vars(self.sampling),
             "max_tokens": self.max_tokens,
@@ -148,6 +160,12 @@ class BenchResult:
             "baseline": DECODER,
             "rows": [r.to_json() for r in self.rows],
         }
+        if self.oracle:
+            out["oracle_acceptance"] = list(self.oracle)
+            out["oracle_label"] = ORACLE_LABEL
+        if self.kernel is not None:
+            out["cuda_qmv"] = self.kernel
+        return out
 
 
 def context_restorer(cache: list) -> Callable[[int], None]:
@@ -177,14 +195,16 @@ def timed(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int = 20) -> StepCosts:
+def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int = 20, rows: int = 1) -> StepCosts:
     """Time one decode step, one verify pass, its undo and one head step at a fixed context.
 
     After each timed call the caches return to the context: KV caches are trimmed and the
     linear-attention states are set back to the arrays they held before (no compute).
+    ``rows`` > 1 times the same passes over that many sequences at once (all at ``context``): the
+    cost of a batched step of B rows with the stock caches (the floor of the batched engine's).
     """
     enable_rollback(m.model)
-    ctx = mx.array([list(context)])
+    ctx = mx.array([list(context)] * rows)
     tok = ctx[:, -1:]
 
     plain_cache = m.model.make_cache()
@@ -228,7 +248,7 @@ def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int =
 
     t_verify = timed(verify, n)
     t_undo = max(0.0, timed(verify_reject, n) - t_verify)
-    return StepCosts(len(context), timed(decode_1, n), t_verify, t_undo, timed(head, n), depth)
+    return StepCosts(len(context), timed(decode_1, n), t_verify, t_undo, timed(head, n), depth, rows)
 
 
 def bench(
@@ -242,40 +262,82 @@ def bench(
     model: Optional[MTPModel] = None,
     on_tokens: Optional[Callable[[int], None]] = None,
     prompt_ids: Optional[Sequence[Sequence[int]]] = None,
+    oracle: Sequence[float] = (),
+    refine: int = 4,
+    cuda_qmv: bool = False,
 ) -> BenchResult:
-    """``prompt_ids`` replaces ``prompts`` with token ids (a folder with no tokenizer, e.g. random weights)."""
+    """``prompt_ids`` replaces ``prompts`` with token ids (a folder with no tokenizer, e.g. random weights).
+
+    ``oracle``: acceptance rates P; each (hidden, depth) row is then run once per P with every greedy
+    draft replaced by the true greedy token with probability P (``measure/oracle.py``); the
+    reference is mlx-lm's greedy decode of the prompt, refined up to ``refine`` times in the warm-up
+    where the MTP decode parts from it (GPU near-ties). ``cuda_qmv``: on a CUDA device, calibrate and use
+    the multi-row quantized matvec (``decoding/cuda_qmv.py``) for the verify passes' row counts."""
+    if oracle and not sampling.greedy:
+        raise ValueError("--oracle-acceptance needs greedy decoding (--temp 0)")
     m = model or load(path)
     encoded = [list(p) for p in prompt_ids] if prompt_ids is not None else encode_prompts(path, prompts)
-    result = BenchResult(str(path), sampling, max_tokens, len(encoded))
+    result = BenchResult(str(path), sampling, max_tokens, len(encoded), oracle=tuple(oracle))
+    if cuda_qmv:
+        from ..decoding import cuda_qmv as kernel
+
+        entries = kernel.enable(m.model, m.head, rows=sorted({d + 1 for d in depths}))
+        result.kernel = {"available": kernel.available(),
+                         "plan": {f"{e['n']}x{e['k']} rows={e['rows']}": e["best"] for e in entries}}
+    vocab = m.lm.args.vocab_size
+    references = {}
     # Warm-up: one untimed run of every workload. Kernels are compiled per shape (the CUDA
     # backend's JIT takes ~0.1 s each), and a depth-k decode meets pass lengths 1..k+1 and
     # every prompt's prefill length: a short warm-up left compiles in the first timed row.
     for i, ids in enumerate(encoded):
-        generated, _ = mlx_lm_generate(m, ids, max_tokens, sampling, seed + i)
+        extra = max(depths) if oracle else 0  # the oracle looks up to depth tokens past the last one
+        generated, _ = mlx_lm_generate(m, ids, max_tokens + extra, sampling, seed + i)
+        references[i] = generated
+        generated = generated[:max_tokens]
         plain_generate(m, ids, max_tokens, sampling, seed + i)
         if i == 0:  # step costs are timed half-way through the first prompt's decode
             cost_context = ids + generated[: len(generated) // 2]
         for depth in depths:
             mtp_generate(m, ids, max_tokens, depth, sampling, hiddens[0], seed + i)
+    oracles = {}
+    for depth in depths:
+        for p in oracle:
+            o = oracles[depth, p] = Oracle(p, vocab, {i: list(r) for i, r in references.items()}, seed)
+            for i, ids in enumerate(encoded):  # warm-up under the oracle, refining its reference
+                for _ in range(refine + 1):
+                    tokens, _ = mtp_generate(m, ids, max_tokens, depth, sampling, hiddens[0], seed + i,
+                                             draft_hook=o.for_stream(i))
+                    if not o.refine(i, tokens):
+                        break
+            o.stats = type(o.stats)()
     for hidden in hiddens:
         for depth in depths:
-            result.rows.append(bench_row(m, encoded, max_tokens, hidden, depth, sampling, seed, on_tokens))
-            result.rows[-1].costs = measure_step_costs(m, cost_context, depth)
+            costs = measure_step_costs(m, cost_context, depth)
+            for p in oracle or (None,):
+                result.rows.append(bench_row(m, encoded, max_tokens, hidden, depth, sampling, seed, on_tokens,
+                                             oracles.get((depth, p))))
+                result.rows[-1].costs = costs
     return result
 
 
 def bench_row(m: MTPModel, encoded: Sequence[List[int]], max_tokens: int, hidden: str, depth: int,
-              sampling: Sampling, seed: int, on_tokens: Optional[Callable[[int], None]]) -> BenchRow:
+              sampling: Sampling, seed: int, on_tokens: Optional[Callable[[int], None]],
+              oracle: Optional[Oracle] = None) -> BenchRow:
     """The three decoders on every prompt, interleaved per prompt so drift (heat, other load) hits all alike."""
     row = BenchRow(hidden, depth, DecodeStats(depth=depth), DecodeStats(),
-                   divergences=[] if sampling.greedy else None)
+                   divergences=[] if sampling.greedy else None, oracle=oracle)
+    if oracle is not None:
+        oracle.stats = type(oracle.stats)()
     for i, ids in enumerate(encoded):
         reference, ps = mlx_lm_generate(m, ids, max_tokens, sampling, seed + i, on_tokens=on_tokens)
         _, ls = plain_generate(m, ids, max_tokens, sampling, seed + i)
-        tokens, ms = mtp_generate(m, ids, max_tokens, depth, sampling, hidden, seed + i, on_tokens=on_tokens)
+        tokens, ms = mtp_generate(m, ids, max_tokens, depth, sampling, hidden, seed + i, on_tokens=on_tokens,
+                                  draft_hook=oracle.for_stream(i) if oracle is not None else None)
         row.plain.add(ps)
         row.plain_loop.add(ls)
         row.mtp.add(ms)
+        if oracle is not None and parted(oracle.references[i], tokens):
+            row.reference_misses += 1
         if sampling.greedy:
             found = divergence(m, i, ids, reference, tokens)
             if found is not None:

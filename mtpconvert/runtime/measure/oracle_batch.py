@@ -1,0 +1,150 @@
+"""`bench --concurrency ... --oracle-acceptance P`: batched MTP at a set acceptance against BatchGenerator.
+
+For each depth k, concurrency C and oracle acceptance P (``measure/oracle.py``), C greedy streams
+start together (stream i takes prompt i mod the prompts given) and decode ``max_tokens`` each with:
+
+``batchgen``  mlx-lm's ``BatchGenerator`` (the baseline every speedup divides by);
+``plain``     our batched engine with drafting off;
+``mtp``       our batched engine, every row drafting every step, each greedy draft replaced by the
+              true next greedy token with probability P (the head still runs).
+
+``batchgen`` and ``plain`` do not depend on P: they are timed once per (k, C) and shared by that
+level's P rows. Each decoder runs once untimed first (kernels compile per shape). The oracle's
+reference for stream i is the plain engine's own greedy decode at this C (the same batch, so the
+same rounding), continued by mlx-lm's solo decode past ``max_tokens`` (the lookahead of the last
+step); the warm-up ``mtp`` runs refine it where they part from it (GPU near-ties). Step costs β, δ, ρ
+are timed with ``measure_step_costs(rows=C)``: C sequences at the same context, stock caches, the
+floor of the engine's own passes; the predicted speedup is tokens per row-step / (β + δ + r·ρ)
+against one stock ``(C, 1)`` decode step, BatchGenerator's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from ..decoding.batched import Stream, run_batch
+from ..decoding.load import MTPModel
+from ..decoding.sampling import Sampling
+from .baseline import mlx_lm_generate
+from .batch_bench import BASELINE, DecoderRun, batchgen_decode
+from .bench import StepCosts, measure_step_costs
+from .oracle import LABEL, Oracle, OracleStats, parted
+
+
+@dataclass
+class EngineRun:
+    run: DecoderRun
+    tokens_per_step: float  # emitted tokens per row per drafting step (1 + accepted)
+    reject_share: float  # share of row-steps that rejected a draft
+    step_ms: Optional[float]  # median step of the run (the first, after the joins, excluded)
+
+
+def engine_run(m: MTPModel, prompts: Sequence[Sequence[int]], max_tokens: int, depth: int, mode: str,
+               hidden: str, seed: int, hook=None) -> EngineRun:
+    streams = [Stream(list(p), max_tokens, sampling=Sampling(), seed=seed + i) for i, p in enumerate(prompts)]
+    engine = run_batch(m, streams, depth, mode, hidden=hidden, draft_hook=hook)
+    run = DecoderRun([s.out for s in streams], [s.first_token_s for s in streams], [s.done_s for s in streams],
+                     steps=len(engine.log), drafted_steps=sum(r.drafted for r in engine.log),
+                     accepted=[sum(s.stats.accepted) for s in streams],
+                     proposed=[sum(s.stats.proposed) for s in streams])
+    row_steps = sum(s.stats.proposed[0] for s in streams) if mode == "mtp" else 0
+    kept_all = sum(s.stats.accepted[depth - 1] for s in streams) if mode == "mtp" else 0
+    emitted = sum(len(s.out) - 1 for s in streams)
+    times = sorted(r.seconds for r in engine.log[1:])  # the first step follows the prefill of every row
+    return EngineRun(run, emitted / row_steps if row_steps else 1.0,
+                     1 - kept_all / row_steps if row_steps else 0.0,
+                     round(1e3 * times[len(times) // 2], 3) if times else None)
+
+
+@dataclass
+class OracleConcurrencyRow:
+    concurrency: int
+    depth: int
+    p: float
+    batchgen: DecoderRun
+    plain: EngineRun
+    mtp: EngineRun
+    costs: StepCosts
+    stats: OracleStats
+    reference_misses: int  # streams whose timed decode parted from the oracle's reference
+    plain_matches_batchgen: bool
+
+    def speedup(self) -> float:
+        base = self.batchgen.aggregate_tps
+        return self.mtp.run.aggregate_tps / base if base else 0.0
+
+    def predicted(self) -> float:
+        return self.costs.predicted_speedup(self.mtp.tokens_per_step, self.mtp.reject_share)
+
+    def to_json(self) -> dict:
+        return {
+            "oracle_acceptance": self.p, "concurrency": self.concurrency, "depth": self.depth,
+            "decoders": {"batchgen": self.batchgen.to_json(),
+                         "plain": dict(self.plain.run.to_json(), median_step_ms=self.plain.step_ms),
+                         "mtp": dict(self.mtp.run.to_json(), median_step_ms=self.mtp.step_ms,
+                                     tokens_per_row_step=round(self.mtp.tokens_per_step, 3),
+                                     reject_share=round(self.mtp.reject_share, 4))},
+            "speedup_mtp": round(self.speedup(), 3),
+            "speedup_plain_engine": round(self.plain.run.aggregate_tps / self.batchgen.aggregate_tps, 3)
+            if self.batchgen.aggregate_tps else 0.0,
+            "costs": self.costs.to_json(), "predicted_speedup": round(self.predicted(), 3),
+            "oracle": dict(self.stats.to_json(), reference_misses=self.reference_misses, label=LABEL),
+            "greedy_plain_engine_identical_to_batchgen": self.plain_matches_batchgen,
+        }
+
+
+@dataclass
+class OracleConcurrencyResult:
+    path: str
+    max_tokens: int
+    prompts: int
+    oracle: Sequence[float]
+    rows: List[OracleConcurrencyRow] = field(default_factory=list)
+    extra: Dict[str, object] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "sampling": "greedy", "max_tokens": self.max_tokens, "prompts": self.prompts,
+                "device": str(mx.default_device()), "baseline": BASELINE, "oracle_acceptance": list(self.oracle),
+                "oracle_label": LABEL, "rows": [r.to_json() for r in self.rows], **self.extra}
+
+
+def bench_concurrency_oracle(
+    m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], oracle: Sequence[float],
+    max_tokens: int = 64, depths: Sequence[int] = (1,), seed: int = 0, hidden: str = "post-norm",
+    on_tokens: Optional[Callable[[int], None]] = None, refine: int = 4,
+) -> OracleConcurrencyResult:
+    result = OracleConcurrencyResult(path, max_tokens, len(encoded), tuple(oracle))
+    vocab = m.lm.args.vocab_size
+    solo = [mlx_lm_generate(m, ids, max_tokens + max(depths))[0] for ids in encoded]
+    cost_context = list(encoded[0]) + solo[0][: max_tokens // 2]
+    for depth in depths:
+        for c in concurrency:
+            prompts = [encoded[i % len(encoded)] for i in range(c)]
+            costs = measure_step_costs(m, cost_context, depth, rows=c)
+            batchgen_decode(m, prompts, max_tokens, Sampling(), seed)  # warm-ups
+            warm = engine_run(m, prompts, max_tokens, depth, "plain", hidden, seed)
+            refs = {i: list(t) + solo[i % len(encoded)][len(t):] for i, t in enumerate(warm.run.tokens)}
+            oracles = {}
+            for p in oracle:
+                o = oracles[p] = Oracle(p, vocab, {i: list(r) for i, r in refs.items()}, seed)
+                for _ in range(refine + 1):
+                    out = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o.batch_hook())
+                    if not [o.refine(i, t) for i, t in enumerate(out.run.tokens)].count(True):
+                        break
+            batchgen = batchgen_decode(m, prompts, max_tokens, Sampling(), seed)
+            plain = engine_run(m, prompts, max_tokens, depth, "plain", hidden, seed)
+            for p in oracle:
+                o = oracles[p]
+                o.stats = OracleStats()
+                mtp = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o.batch_hook())
+                misses = sum(parted(o.references[i], t) for i, t in enumerate(mtp.run.tokens))
+                result.rows.append(OracleConcurrencyRow(c, depth, p, batchgen, plain, mtp, costs, o.stats, misses,
+                                                        batchgen.tokens == plain.run.tokens))
+                if on_tokens:
+                    on_tokens(mtp.run.generated + c)
+            if on_tokens:
+                on_tokens(batchgen.generated + plain.run.generated + 2 * c)
+    return result
