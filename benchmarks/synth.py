@@ -1,17 +1,22 @@
-"""Write a synthetic raw Qwen3.5 / Qwen3-Next checkpoint shaped like a published one, without holding it in memory.
+"""Write a synthetic raw Qwen3.5 / Qwen3-Next / GLM checkpoint shaped like a published one, without holding it
+in memory.
 
 Shapes, key names, dtypes and config come from tests/data/layouts/<model>/ (the published tables);
 ``--layers N`` keeps the first N decoder layers (plus the MTP head) so large models fit this machine.
 Tensors are written one at a time in chunks (random values, zero-centred norms, ``[C,1,K]`` conv1d),
 into shards named as the release names them (Qwen3.5: ``model.safetensors-000NN-of-000MM.safetensors``,
-Qwen3-Next: ``model-000NN-of-000MM.safetensors``) with an index. Decoder layers are
-``model.language_model.layers.N.`` (Qwen3.5) or ``model.layers.N.`` (Qwen3-Next, flat keys).
-``--sparse`` writes headers only (files keep their full size as holes): enough for header-only
-work such as ``verify`` at full model size.
+Qwen3-Next and GLM: ``model-000NN-of-000MM.safetensors``) with an index. Decoder layers are
+``model.language_model.layers.N.`` (Qwen3.5) or ``model.layers.N.`` (Qwen3-Next, GLM: flat keys).
+A GLM release's nextn head is one more layer, ``model.layers.{num_hidden_layers}.``: with ``--layers N``
+it is kept whole and renumbered to ``model.layers.N.`` (the index the cut config's ``num_hidden_layers``
+gives it); a GLM folder also gets a small stand-in ``tokenizer.json`` (mlx_lm.convert loads one).
+``--sparse`` writes headers only (files keep their full size as holes): enough for
+header-only work such as ``verify`` at full model size.
 
     python benchmarks/synth.py Qwen3.5-27B /tmp/synth-27b --layers 8 --shard-gb 1
     python benchmarks/synth.py Qwen3.5-122B-A10B /tmp/synth-122b --sparse
     python benchmarks/synth.py Qwen3-Next-80B-A3B-Instruct /tmp/synth-next --layers 2
+    python benchmarks/synth.py GLM-4.5-Air /tmp/synth-glm --layers 2
 """
 
 from __future__ import annotations
@@ -26,21 +31,31 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # mtpconvert (GLM's stand-in tokenizer)
 import layouts  # noqa: E402  (the vendored published tables)
 
+GLM_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat
 
 
 def load_table(model: str, layers: int | None, root: Path = layouts.LAYOUTS):
     config = layouts.config(model, root)
+    tc0 = config.get("text_config", config)
+    # GLM (DeepSeek-V3-style nextn): the head is layers num_hidden_layers .. + num_nextn_predict_layers - 1
+    full = tc0.get("num_hidden_layers")
+    nextn = range(full, full + int(tc0.get("num_nextn_predict_layers") or 0)) if isinstance(full, int) else range(0)
     rows = []
     for key, shape, dtype, _shard in layouts.rows(model, root):
         m = LAYER.match(key)
         if key.startswith("model.visual."):
             continue  # the vision tower is not converted by default; leave it out of the benchmark
         if layers is not None and m and int(m.group(1)) >= layers:
-            continue
+            i = int(m.group(1))
+            if i not in nextn:
+                continue
+            # keep the nextn layer whole, at the index the cut config's num_hidden_layers gives it
+            key = f"{key[:m.start(1)]}{layers + i - full}{key[m.end(1):]}"
         rows.append((key, list(shape), dtype))
     if layers is not None:
         tc = config.get("text_config", config)
@@ -51,8 +66,8 @@ def load_table(model: str, layers: int | None, root: Path = layouts.LAYOUTS):
 
 
 def shard_name(config: dict, i: int, total: int) -> str:
-    """The release's shard names: Qwen3-Next's ``model-000NN-of-000MM``, else Qwen3.5's."""
-    if config.get("model_type") == "qwen3_next":
+    """The release's shard names: Qwen3-Next's and GLM's ``model-000NN-of-000MM``, else Qwen3.5's."""
+    if config.get("model_type") in ("qwen3_next", *GLM_TYPES):
         return f"model-{i:05d}-of-{total:05d}.safetensors"
     return f"model.safetensors-{i:05d}-of-{total:05d}.safetensors"
 
@@ -123,6 +138,11 @@ def write(model: str, out: Path, layers: int | None, shard_gb: float, sparse: bo
                     fill(f, key, shape, dtype, rng, pool)
         total_bytes += off
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    if config.get("model_type") in GLM_TYPES and not (out / "tokenizer.json").exists():
+        # mlx_lm.convert loads a tokenizer, and transformers has no file-less one for GLM (Qwen's loads
+        # without files): a small byte-level BPE stands in for the release's tokenizer.json
+        from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
+        write_tokenizer(out, MarkovLanguage().words, 512)
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=2))
     return {"shards": total, "bytes": total_bytes, "tensors": len(weight_map)}
@@ -130,8 +150,8 @@ def write(model: str, out: Path, layers: int | None, shard_gb: float, sparse: bo
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="a folder name under the layouts folder, e.g. Qwen3.5-27B "
-                    "or Qwen3-Next-80B-A3B-Instruct")
+    ap.add_argument("model", help="a folder name under the layouts folder, e.g. Qwen3.5-27B, "
+                    "Qwen3-Next-80B-A3B-Instruct or GLM-4.5-Air")
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     ap.add_argument("--shard-gb", type=float, default=4.0)

@@ -276,6 +276,13 @@ def bench(
     if oracle and not sampling.greedy:
         raise ValueError("--oracle-acceptance needs greedy decoding (--temp 0)")
     m = model or load(path)
+    if not hasattr(m.lm.model, "fa_idx"):  # its own forward gives post-norm states only (speculative.backbone_forward)
+        if "pre-norm" in hiddens and len(hiddens) == 1:
+            from ...errors import OptionsError
+
+            raise OptionsError(f"--hidden pre-norm: the {m.config.get('model_type')} head drafts from the post-norm "
+                               "state (its backbone runs as mlx-lm's own forward)")
+        hiddens = [h for h in hiddens if h != "pre-norm"]
     encoded = [list(p) for p in prompt_ids] if prompt_ids is not None else encode_prompts(path, prompts)
     result = BenchResult(str(path), sampling, max_tokens, len(encoded), oracle=tuple(oracle))
     if cuda_qmv:
