@@ -135,7 +135,14 @@ def choose_smoke(folder: Path, requested: str = "auto") -> SmokeChoice:
     if available is None:
         return SmokeChoice(mode, "available memory unknown")
     fits = "fits" if mode == "full" else "does not fit"
-    return SmokeChoice(mode, f"the model ({_gib(weights)} of weights) {fits} in {_gib(available)} available")
+    reason = f"the model ({_gib(weights)} of weights) {fits} in {_gib(available)} available"
+    if mode == "full":  # and the decoding fits this backend (runtime.checks.smoke.decoding_misfit)
+        from .runtime.checks.smoke import decoding_misfit
+
+        misfit = decoding_misfit(folder)
+        if misfit:
+            return SmokeChoice("layerwise", f"{reason}, but {misfit}")
+    return SmokeChoice(mode, reason)
 
 
 def smoke_failure(result, how: str, folder: Path) -> CheckFailed:
@@ -171,8 +178,14 @@ def smoke_layerwise(folder: Path, checks: Checks, on_stage: Callable[[str], None
     on_stage("MTP smoke test (layerwise: teacher-forced, one layer in memory at a time)")
     coarse = lambda msg: on_stage(f"layerwise smoke: {msg}") if not msg.startswith("lm_head rows") else None  # noqa: E731
     floor = checks.floor_for("layerwise")
+    from .runtime.checks.compute import fitted_prompt_tokens
+    from .runtime.checks.layerwise import DEFAULT_MAX_PROMPT_TOKENS
+
+    tokens, cut = fitted_prompt_tokens(folder, DEFAULT_MAX_PROMPT_TOKENS)  # the work this backend fits
+    if cut:
+        on_stage(f"layerwise smoke: {cut}")
     result = layerwise_acceptance(folder, checks.prompts, min_acceptance=floor, min_mlp_gain=checks.min_mlp_gain,
-                                  progress=coarse)
+                                  progress=coarse, max_prompt_tokens=tokens)
     if not result.ok:
         raise smoke_failure(result, "layerwise, teacher-forced", folder)
     return result

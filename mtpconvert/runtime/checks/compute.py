@@ -6,13 +6,17 @@ in the compute dtype) runs as a ``BlockLinear``, dequantized a block of rows at 
 in floating point, because mlx's CPU backend multiplies quantized matrices by many rows slowly;
 ``fast_float_dtype`` picks float32 where this machine's float32 GEMM is faster. Either way, on the
 CPU, float MoE experts stay as stored and run in float32 a bounded group at a time
-(``runtime.decoding.experts``).
+(``runtime.decoding.experts``). ``fitted_prompt_tokens`` sizes the check to the GEMM rate measured
+here: where MLX computes on the reference BLAS a large model's prompts are cut (docs/smoke.md, "Work
+that fits the backend").
 """
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Optional
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,31 +84,131 @@ def dequantize_linears(module: nn.Module, dtype) -> int:
     return n
 
 
+def gemm_gflops(dtype, size: int = 384) -> float:
+    """GFLOP/s of mlx's ``size``-cubed matmul in ``dtype`` on the default device, measured once per dtype
+    (two multiplies after a warm-up: ~0.1 s at the reference BLAS's ~1 GFLOP/s)."""
+    key = (str(dtype), size, str(mx.default_device()))
+    if key not in _RATES:
+        a = mx.random.normal((size, size), key=mx.random.key(0)).astype(dtype)
+        mx.eval(a @ a)
+        t = time.perf_counter()
+        for _ in range(2):
+            mx.eval(a @ a)
+        _RATES[key] = 2 * 2 * size ** 3 / max(time.perf_counter() - t, 1e-9) / 1e9
+    return _RATES[key]
+
+
+_RATES: Dict[tuple, float] = {}
+
+
 def fast_float_dtype(model_dtype=mx.bfloat16, size: int = 384):
     """The float type whose GEMM is faster here: float32 when it beats ``model_dtype`` by 1.5x.
 
     mlx's Linux CPU wheel (mlx[cpu]) links the reference BLAS: float32 GEMM ran at ~1 GFLOP/s on
-    this project's machine and bfloat16 (mlx's own loop) at ~2; with an optimized BLAS preloaded
-    (``LD_PRELOAD=.../openblas-pthread/libblas.so.3``) float32 runs at ~25-40. Measured once
-    (~0.1 s with the reference BLAS)."""
+    this project's machine and bfloat16 (mlx's own loop) at ~2; with an optimized BLAS under it (the
+    command line preloads one where installed: ``mtpconvert.blas``) float32 runs at ~25-100. Measured
+    once (~0.1 s with the reference BLAS)."""
     if model_dtype == mx.float32:
         return mx.float32
     global _FAST_DTYPE
     if _FAST_DTYPE is None:
-        a = mx.random.normal((size, size), key=mx.random.key(0))
-        times = {}
-        for dt in (mx.float32, model_dtype):
-            x, w = a.astype(dt), a.astype(dt)
-            mx.eval(x @ w)
-            t = time.perf_counter()
-            for _ in range(2):
-                mx.eval(x @ w)
-            times[dt] = time.perf_counter() - t
-        _FAST_DTYPE = mx.float32 if times[mx.float32] * 1.5 < times[model_dtype] else model_dtype
+        fast = gemm_gflops(mx.float32, size) > 1.5 * gemm_gflops(model_dtype, size)
+        _FAST_DTYPE = mx.float32 if fast else model_dtype
     return _FAST_DTYPE
 
 
 _FAST_DTYPE = None
+
+
+# ------------------------------------------------------------------ the check's work against this backend
+
+# The layerwise check's estimated GEMM time past which it reads fewer tokens of each prompt (a 27B-shaped
+# default convert then finishes in ~15 minutes on a 2-core CPU whose MLX computes on the reference BLAS);
+# never below MIN_PROMPT_TOKENS: 3 prompts x 32 tokens compare ~93 positions, where a working head scores
+# 60-90% and a broken one 0-5% (docs/smoke.md).
+LAYERWISE_BUDGET_S = 480.0
+MIN_PROMPT_TOKENS = 32
+
+
+def model_dtype_of(folder: Path):
+    """The folder's float dtype: that of its embedding (its scales when quantized), bfloat16 if unknown."""
+    from ...io.header import read_header
+    from .sizing import unit_of, weight_files
+
+    for f in weight_files(Path(folder)):
+        for k, t in read_header(f).tensors.items():
+            if unit_of(k) == "embed_tokens" and t.dtype in ("BF16", "F16", "F32"):
+                return {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}[t.dtype]
+    return mx.bfloat16
+
+
+def active_params(folder: Path) -> Dict[str, float]:
+    """Parameters of each unit (``sizing.unit_of``) a token multiplies by, from the headers: float
+    matrices by their size, quantized ones by their packed size x 32 / bits, routed experts by the share
+    ``num_experts_per_tok / num_experts`` a token uses. ``embed_tokens`` is a gather (no multiply) unless
+    tied to the output, when it is counted as ``lm_head``."""
+    import json
+
+    from ...io.header import read_header
+    from .sizing import unit_of, weight_files
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    tc = config.get("text_config", config)
+    tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    quant = config.get("quantization") or {}
+    experts = tc.get("num_experts") or 0
+    share = (tc.get("num_experts_per_tok") or experts) / experts if experts else 1.0
+    units: Dict[str, float] = {}
+    for f in weight_files(Path(folder)):
+        for k, t in read_header(f).tensors.items():
+            if len(t.shape) < 2 or not k.endswith(".weight"):
+                continue
+            unit = unit_of(k)
+            if unit == "embed_tokens":
+                if not tied:
+                    continue
+                unit = "lm_head"
+            n = float(math.prod(t.shape))
+            if t.dtype == "U32":
+                path = quant.get(k[: -len(".weight")])
+                n *= 32 / int((path if isinstance(path, dict) else quant).get("bits", 4))
+            elif t.dtype not in ("BF16", "F16", "F32"):
+                continue
+            if len(t.shape) == 3 or "experts" in k:
+                n *= share
+            units[unit] = units.get(unit, 0.0) + n
+    return units
+
+
+def layerwise_flops(units: Dict[str, float], tokens: Sequence[int]) -> float:
+    """GEMM FLOPs of the layerwise check over prompts of ``tokens`` tokens: every decoder layer once over
+    every position, the head twice (with and without its layer's MLP: counted whole both times), lm_head
+    over three states of every position (the backbone's, the head's, the head's without its MLP)."""
+    rows = float(sum(tokens))
+    body = sum(v for k, v in units.items() if k.startswith("layer ") or k == "other")
+    return 2 * rows * (body + 2 * units.get("mtp", 0.0) + 3 * units.get("lm_head", 0.0))
+
+
+def fitted_prompt_tokens(folder: Path, max_tokens: int, prompts: int = 3,
+                         budget_s: float = LAYERWISE_BUDGET_S) -> Tuple[int, Optional[str]]:
+    """Tokens of each prompt the layerwise check reads here: ``max_tokens`` unless its GEMMs, at the rate
+    measured for the dtype the check computes in (``fast_float_dtype``), would take longer than
+    ``budget_s``; then as many as fit, at least ``MIN_PROMPT_TOKENS``. Returns the count and, when it was
+    cut, why (one line for the output). On a GPU: ``max_tokens``."""
+    if mx.default_device() != mx.cpu or max_tokens <= MIN_PROMPT_TOKENS:
+        return max_tokens, None
+    dtype = fast_float_dtype(model_dtype_of(folder))
+    rate = gemm_gflops(dtype)
+    seconds = layerwise_flops(active_params(folder), [max_tokens] * prompts) / (rate * 1e9)
+    if seconds <= budget_s:
+        return max_tokens, None
+    tokens = max(MIN_PROMPT_TOKENS, int(max_tokens * budget_s / seconds))
+    from ... import blas
+
+    name = str(dtype).replace("mlx.core.", "")
+    where = " (MLX on the reference BLAS)" if blas.state() == blas.REFERENCE else ""
+    return tokens, (f"{tokens} tokens of each prompt, not {max_tokens}: {name} GEMM runs at {rate:.1f} GFLOP/s "
+                    f"here{where}, ~{seconds / 60:.0f} min of it at {max_tokens}")
 
 
 def _finish_layer(module: nn.Module, exact: bool, dtype) -> None:

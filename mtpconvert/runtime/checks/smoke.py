@@ -212,3 +212,76 @@ def teacher_forced_mlp_gain(m: MTPModel, sequences: Sequence[Sequence[int]], hid
     from .teacher_forced import teacher_forced_full
 
     return teacher_forced_full(m, sequences, hidden).mlp_gain_paired
+
+
+# ------------------------------------------------------------------ the decoding smoke against this backend
+
+# The decoding smoke's estimated time past which the post-check's ``auto`` runs the layerwise check instead.
+# Decoding multiplies every weight by one row per token (a few rows per verify pass), which mlx's CPU kernels
+# do at ~1 GFLOP/s whatever the BLAS (bfloat16 and quantized matmuls are mlx's own loops): a 27B-shaped
+# 2-layer bf16 model costs 3-7 s a token on a 2-core CPU, ~20-50 min for the 432 passes of the default smoke.
+# The layerwise check multiplies each weight by every position at once, where a fast BLAS helps.
+DECODE_BUDGET_S = 300.0
+
+
+def decode_passes(max_tokens: int = 48, prompts: int = len(DEFAULT_PROMPTS), deep_depth: int = DEEP_DEPTH) -> int:
+    """Forward passes ``smoke`` makes at most (no draft accepted): plain, depth-1 and, with ``deep_depth``,
+    deep decoding of ``max_tokens`` tokens of each prompt."""
+    return prompts * max_tokens * (3 if deep_depth > 1 else 2)
+
+
+def row_gflops(folder: Path, size: int = 1024) -> float:
+    """GFLOP/s of one row times a ``size`` x ``size`` matrix stored as the folder's weights are (its
+    quantization from config.json, else its float dtype), measured here (~0.1 s)."""
+    import json
+    import time
+
+    from .compute import model_dtype_of
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    quant = config.get("quantization") or {}
+    dtype = model_dtype_of(folder)
+    w = mx.random.normal((size, size), key=mx.random.key(0))
+    x = mx.random.normal((1, size), key=mx.random.key(1)).astype(dtype)
+    if quant.get("bits"):
+        kw = dict(group_size=int(quant.get("group_size", 64)), bits=int(quant["bits"]))
+        if quant.get("mode", "affine") != "affine":
+            kw["mode"] = quant["mode"]
+        parts = mx.quantize(w, **kw)
+        wq, scales, biases = parts[0], parts[1], (parts[2] if len(parts) > 2 else None)
+        fn = lambda: mx.quantized_matmul(x, wq, scales, biases, transpose=True, **kw)  # noqa: E731
+    else:
+        w = w.astype(dtype)
+        fn = lambda: x @ w.T  # noqa: E731
+    mx.eval(fn())
+    t = time.perf_counter()
+    for _ in range(4):
+        mx.eval(fn())
+    return 4 * 2 * size * size / max(time.perf_counter() - t, 1e-9) / 1e9
+
+
+def decoding_misfit(folder: Path, max_tokens: int = 48, budget_s: float = DECODE_BUDGET_S) -> Optional[str]:
+    """Why the decoding smoke does not fit ``folder`` on this backend, or None when it does: mlx-lm's
+    forward cannot run its backbone (a Qwen3.5 / Qwen3-Next cut to fewer layers than
+    ``full_attention_interval`` has no full-attention layer, which the forward indexes), or, on the CPU,
+    ``decode_passes`` over its weights at the measured one-row rate take longer than ``budget_s``."""
+    import json
+
+    from .compute import active_params
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    tc = config.get("text_config", config)
+    interval, layers = tc.get("full_attention_interval"), int(tc.get("num_hidden_layers") or 0)
+    if interval and 0 < layers < int(interval):
+        return (f"mlx-lm's forward needs a full-attention layer (every {interval}th) that these {layers} "
+                "layers lack")
+    if mx.default_device() != mx.cpu:
+        return None
+    passes = decode_passes(max_tokens)
+    rate = row_gflops(folder)
+    seconds = passes * 2 * sum(active_params(folder).values()) / (rate * 1e9)
+    if seconds <= budget_s:
+        return None
+    return (f"decoding would take ~{seconds / 60:.0f} min on this CPU ({passes} passes over the weights at "
+            f"{rate:.1f} GFLOP/s a row)")
+
