@@ -21,7 +21,8 @@ from .io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint, open_checkpoint
 from .io.header import mlx_dtype_name
 from .io.reader import TensorReader
 from .families import family_for
-from .families.base import CONV, FC, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot, text_config
+from .families.base import (CONV, FC, KV_B_PARTS, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot,
+                            kv_b_fits, text_config)
 from .plan import fp8
 from .plan.head import SIDECAR_PREFIX
 from . import verify_shapes as shapes
@@ -220,6 +221,12 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
             continue
         if slot.kind == SWITCH:
             _check_experts(ckpt, family, slot, contribs, spec, report)
+            continue
+        if contribs[0].part in KV_B_PARTS:
+            info = ckpt.tensors[contribs[0].source]
+            if not kv_b_fits(info.shape, slot.shape, contribs[0].part):
+                report.add("shape-mismatch", ERROR, f"kv_b_proj shape {list(info.shape)} does not split into "
+                           f"{slot.name} {list(slot.shape)}", contribs[0].source, info.file)
             continue
         _check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
     head_only = any_mtp and all(family.is_head(t) for t in targets)

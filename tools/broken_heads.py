@@ -5,7 +5,7 @@ so ``smoke``) separates a broken head from a correct one. Each edit rewrites ten
 
     noshift_head     the MTP head's RMSNorm weights left zero-centred (the raw value, no +1)
     noshift_all      every zero-centred RMSNorm left unshifted, backbone too
-    fc_swapped       the two input halves of mtp.fc swapped (embedding/hidden concat order mixed up)
+    fc_swapped       the two input halves of mtp.fc (GLM: mtp.eh_proj) swapped (embedding/hidden concat order mixed up)
     experts_rev      (MoE) every layer's experts stacked in reverse order
     mtp_experts_rev  (MoE) only the MTP layer's experts reversed (its per-expert part of the raw layout)
 
@@ -60,7 +60,7 @@ def editor(edit: str, raw: Dict) -> Callable:
         if edit in ("noshift_head", "noshift_all") and is_zero_centred_norm(name):
             if edit == "noshift_all" or in_head(name):
                 return raw[raw_name(name, raw)].astype(w.dtype)
-        elif edit == "fc_swapped" and name.endswith("mtp.fc.weight") and w.dtype != mx.uint32:
+        elif edit == "fc_swapped" and name.endswith(("mtp.fc.weight", "mtp.eh_proj.weight")) and w.dtype != mx.uint32:
             half = w.shape[1] // 2
             return mx.concatenate([w[:, half:], w[:, :half]], axis=1)
         elif edit in MOE_ONLY and ".switch_mlp." in name and (edit == "experts_rev" or in_head(name)):

@@ -23,6 +23,9 @@ Steps (each a sub-command):
 ``--variant next`` trains, exports and checks a Qwen3-Next MoE model instead (transformers'
 ``Qwen3NextForCausalLM``, same tokenizer and stage, the published flat ``model.*`` layout in two
 shards with ``mtp.*`` in the last): tools/train_text_fixture_next.py holds its specifics.
+``--variant glm5`` (train, export) and ``parity`` of a ``glm_moe_dsa`` folder hand over to
+tools/train_text_fixture_glm.py: a GLM-5.x model (transformers' ``GlmMoeDsaForCausalLM``, MLA, MoE, DSA
+indexer) with a nextn head, same stage, GLM-5's raw layout (its own command line has more options).
 
 The MTP head is ``fc(concat[pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h_t)])``, one
 full-attention decoder layer (dense MLP or MoE, like the backbone's), ``norm``, and the shared
@@ -56,7 +59,8 @@ SCRIPT = "tools/train_text_fixture.py"
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = {"dense": REPO / "mtpconvert/fixture/data/text-qwen35-mtp",
             "moe": REPO / "mtpconvert/fixture/data/text-qwen35-moe-mtp",
-            "next": REPO / "mtpconvert/fixture/data/text-qwen3next-mtp"}
+            "next": REPO / "mtpconvert/fixture/data/text-qwen3next-mtp",
+            "glm5": REPO / "mtpconvert/fixture/data/text-glm5-mtp"}
 
 # ---------------------------------------------------------------------------------------------
 # Corpus: pure-Python modules of the standard library present in CPython 3.10, 3.11 and 3.12
@@ -316,6 +320,15 @@ def next_module():
     return train_text_fixture_next
 
 
+def glm_module():
+    """tools/train_text_fixture_glm.py (GLM-5 / glm_moe_dsa specifics), sharing this module like next_module."""
+    sys.modules.setdefault("train_text_fixture", sys.modules[__name__])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import train_text_fixture_glm
+
+    return train_text_fixture_glm
+
+
 def build_with(LM, config, Layer, Norm):
     """The backbone LM(config) and an MTP head of Layer/Norm (one full-attention layer), initialised alike."""
     import torch.nn as nn
@@ -421,6 +434,8 @@ def torch_state(lm, head, f32_suffixes=F32_SUFFIXES) -> dict:
 
 
 def train(args) -> None:
+    if args.variant == "glm5":
+        return glm_module().train_glm(args)
     import torch
     from safetensors.torch import save_file
 
@@ -597,6 +612,8 @@ def load_checkpoint(path: Path) -> dict:
 def export(args) -> None:
     if args.variant == "next":
         return next_module().export_next(args)
+    if args.variant == "glm5":
+        return glm_module().export_glm(args)
     import mlx.core as mx
 
     sys.path.insert(0, str(REPO))
@@ -644,6 +661,8 @@ def parity(args) -> None:
     """transformers (torch, f32, CPU) on the raw folder vs MLX on its `mtpconvert convert` output."""
     if json.loads((Path(args.folder) / "config.json").read_text())["model_type"] == "qwen3_next":
         return next_module().parity_next(args)
+    if json.loads((Path(args.folder) / "config.json").read_text())["model_type"] == "glm_moe_dsa":
+        return glm_module().parity_glm(args)
     import subprocess
     import tempfile
 
@@ -715,7 +734,7 @@ def main(argv=None) -> None:
 
     p = sub.add_parser("train", help="train one variant (torch)")
     p.add_argument("--stage", required=True)
-    p.add_argument("--variant", choices=sorted(VARIANTS) + ["next"], default="dense")
+    p.add_argument("--variant", choices=sorted(VARIANTS) + ["next", "glm5"], default="dense")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=0, help="0: as many as --time-budget allows (calibrated)")
     p.add_argument("--time-budget", type=float, default=300.0, help="seconds, when --steps is 0")
@@ -747,7 +766,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("export", help="checkpoint -> raw Hugging Face fixture folder")
     p.add_argument("--stage", required=True)
     p.add_argument("--run", required=True)
-    p.add_argument("--variant", choices=sorted(VARIANTS) + ["next"], default="dense")
+    p.add_argument("--variant", choices=sorted(VARIANTS) + ["next", "glm5"], default="dense")
     p.add_argument("--checkpoint", default=None, help="file in RUN (default: the last)")
     p.add_argument("--out", default=None)
     p.add_argument("--commands", nargs="*", help="the commands that made it, recorded in training.json")

@@ -87,6 +87,14 @@ HALVES = (Gather.GATE_HALF, Gather.UP_HALF)
 KV_B_PARTS = (Gather.EMBED_Q, Gather.UNEMBED_OUT)
 
 
+def kv_b_fits(source: Tuple[int, ...], target: Tuple[int, ...], part: Gather) -> bool:
+    """Whether a kv_b_proj of shape ``source`` [heads*(nope+v), kv_lora] splits into ``target``
+    (embed_q [heads, kv_lora, nope] or unembed_out [heads, v, kv_lora]); the other part gets what remains."""
+    heads = target[0]
+    kv_lora, own = (target[1], target[2]) if part is Gather.EMBED_Q else (target[2], target[1])
+    return len(source) == 2 and source[1] == kv_lora and source[0] % heads == 0 and source[0] // heads > own
+
+
 @dataclass(frozen=True)
 class Mapped:
     """Where one source tensor goes, and how it contributes to ``target``.

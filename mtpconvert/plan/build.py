@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import LayoutError, OptionsError
 from ..families import family_for
-from ..families.base import (FLOAT32_KINDS, KV_B_PARTS, CONV, MLX, MTP, NORM, QUANT_AUX, RAW_VLM, SWITCH, VISION, Family, Gather, Mapped,
+from ..families.base import (FLOAT32_KINDS, KV_B_PARTS, CONV, kv_b_fits, MLX, MTP, NORM, QUANT_AUX, RAW_VLM, SWITCH, VISION, Family, Gather, Mapped,
                              Slot, text_config)
 from ..io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint
 from ..options import FLOAT_DTYPES, MTP_LAYOUTS, ConvertOptions
@@ -277,13 +277,9 @@ def _match_slots(ckpt: Checkpoint, family: Family, spec, style: str, slots: Dict
 def _gather_kv_b(ckpt: Checkpoint, slot: Slot, c: Mapped):
     """An MLA kv_b_proj [heads*(nope+v), kv_lora] as the source of embed_q [heads, kv_lora, nope] or
     unembed_out [heads, v, kv_lora]: the other part's width is whatever rows per head remain."""
-    heads = slot.shape[0]
-    kv_lora = slot.shape[1] if c.part is Gather.EMBED_Q else slot.shape[2]
-    own = slot.shape[2] if c.part is Gather.EMBED_Q else slot.shape[1]
     shape = ckpt.tensors[c.source].shape
-    if len(shape) != 2 or shape[1] != kv_lora or shape[0] % heads or shape[0] // heads <= own:
-        raise LayoutError(f"kv_b_proj shape {list(shape)} does not split into {heads} heads of "
-                          f"[{'nope' if c.part is Gather.EMBED_Q else 'v'}={own} + the other part, {kv_lora}]",
+    if not kv_b_fits(shape, slot.shape, c.part):
+        raise LayoutError(f"kv_b_proj shape {list(shape)} does not split into {slot.name} {list(slot.shape)}",
                           file=ckpt.tensors[c.source].file, key=c.source)
     return (_ref(ckpt, c.source),), c.part
 
