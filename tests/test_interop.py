@@ -218,7 +218,25 @@ def glm(venvs, tmp_path_factory):
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         out[(model_type, name)] = (folder, json.loads(r.stdout.strip().splitlines()[-1]))
+    # the trained GLM-5 fixture on held-out stdlib prompts: mlx-vlm's drafter accepts a realistic share
+    from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
+
+    src = text_fixture_path("glm5")
+    folder = root / "glm5-fixture"
+    convert_folder(src, folder, dtype="float32")
+    ids = heldout_prompts(src, per_file=1, prompt_tokens=48, files=4)[1]
+    r = subprocess.run([str(venvs["mlx-vlm-0.7.10"]), str(run.HERE / "probes" / "mlx_vlm_glm.py"), str(folder),
+                        str(src), json.dumps(ids), "32"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out[("glm_moe_dsa", "fixture")] = (folder, json.loads(r.stdout.strip().splitlines()[-1]))
     return out
+
+
+def test_mlx_vlm_drafts_the_trained_glm5_fixture_at_a_realistic_acceptance(glm):
+    folder, res = glm[("glm_moe_dsa", "fixture")]
+    assert res["error"] is None and res["mtp_tokens"] == res["backbone_tokens"], res
+    assert 0.5 <= res["accepted"] / res["proposed"] <= 0.95, (res["accepted"], res["proposed"])
+    assert res["splitter"]["differ"] == res["splitter"]["only_ours"] == res["splitter"]["only_split"] == []
 
 
 @pytest.mark.parametrize("name", ["f32", "q4-match"])
