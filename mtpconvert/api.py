@@ -403,6 +403,13 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
     if oracle and (not sampling.greedy or any(not 0 <= p <= 1 for p in oracle)):
         raise OptionsError("--oracle-acceptance takes rates in [0, 1] and needs greedy decoding (--temp 0)")
     _readable_shards(Path(path))
+    if concurrency is not None:
+        from .families import family_for
+
+        family = family_for(open_checkpoint(Path(path)).config)
+        if family.head.forward != "qwen3_5-mtp":
+            raise OptionsError(f"--concurrency: batched MTP runs the Qwen head design; a {family.name} folder "
+                               f"({family.head.forward} head) benches one stream at a time (leave --concurrency out)")
     if concurrency is not None and oracle:
         from .runtime.checks.smoke import encode_prompts
         from .runtime.decoding.load import load

@@ -217,3 +217,11 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, name
     full = teacher_forced_full(load(converted[name]), ids)
     assert layerwise.backbone_next == full.backbone_next
     assert layerwise.head_next == full.head_next and layerwise.head_next_without_mlp == full.head_next_without_mlp
+
+
+def test_batched_bench_is_refused_with_the_reason(converted):
+    from mtpconvert.api import bench
+    from mtpconvert.errors import OptionsError
+
+    with pytest.raises(OptionsError, match="--concurrency: batched MTP runs the Qwen head design"):
+        bench(converted["float"], concurrency=[1, 2], max_tokens=4)
