@@ -12,8 +12,10 @@ import json
 import statistics
 from pathlib import Path
 
+import mlx.core as mx
+
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
-from mtpconvert.runtime.decoding.batched import DraftPolicy, Stream, run_batch
+from mtpconvert.runtime.decoding.batched import DraftPolicy, Stream, run_batch, warm_up
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.sampling import Sampling
 from mtpconvert.runtime.measure.batch_bench import engine_decode
@@ -33,6 +35,8 @@ def main(argv=None) -> int:
     _, ids, _ = heldout_prompts(text_fixture_path(args.variant), per_file=1, prompt_tokens=32, files=8)
     prompts = [ids[i % len(ids)] for i in range(args.concurrency)]
     greedy = Sampling()
+    if mx.default_device() == mx.gpu:
+        warm_up(m, args.depth, args.concurrency)
     for mode in ("plain", "mtp"):
         engine_decode(m, prompts, args.max_tokens, greedy, 0, args.depth, mode)
     policy = DraftPolicy()

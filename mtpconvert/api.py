@@ -405,35 +405,26 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
     _readable_shards(Path(path))
     if concurrency is not None:
         from .families import family_for
+        from .runtime.checks.smoke import encode_prompts
+        from .runtime.decoding.load import load
+        from .runtime.measure.batch_bench import bench_concurrency
+        from .runtime.measure.oracle_batch import bench_concurrency_oracle
 
         family = family_for(open_checkpoint(Path(path)).config)
         if family.head.forward != "qwen3_5-mtp":
             raise OptionsError(f"--concurrency: batched MTP runs the Qwen head design; a {family.name} folder "
                                f"({family.head.forward} head) benches one stream at a time (leave --concurrency out)")
-    if concurrency is not None and oracle:
-        from .runtime.checks.smoke import encode_prompts
-        from .runtime.decoding.load import load
-        from .runtime.measure.oracle_batch import bench_concurrency_oracle
-
         m = load(Path(path))
         if cuda_qmv:
             from .runtime.decoding import cuda_qmv as kernel
 
             kernel.enable(m.model, m.head)
-        return bench_concurrency_oracle(m, str(path), encode_prompts(Path(path), prompts), concurrency, oracle,
-                                        max_tokens, depths, seed, hiddens[0], on_tokens=on_tokens)
-    if concurrency is not None:
-        from .runtime.checks.smoke import encode_prompts
-        from .runtime.decoding.load import load
-        from .runtime.measure.batch_bench import bench_concurrency
-
-        m = load(Path(path))
-        if cuda_qmv:
-            from .runtime.decoding import cuda_qmv as kernel
-
-            kernel.enable(m.model, m.head)
-        return bench_concurrency(m, str(path), encode_prompts(Path(path), prompts), concurrency,
-                                 max_tokens, depths, sampling, seed, hiddens[0], on_tokens=on_tokens)
+        encoded = encode_prompts(Path(path), prompts)
+        if oracle:
+            return bench_concurrency_oracle(m, str(path), encoded, concurrency, oracle, max_tokens, depths, seed,
+                                            hiddens[0], on_tokens=on_tokens)
+        return bench_concurrency(m, str(path), encoded, concurrency, max_tokens, depths, sampling, seed, hiddens[0],
+                                 on_tokens=on_tokens)
     return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens, oracle=oracle,
                cuda_qmv=cuda_qmv)
 

@@ -21,8 +21,8 @@ from .io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint, open_checkpoint
 from .io.header import mlx_dtype_name
 from .io.reader import TensorReader
 from .families import family_for
-from .families.base import (CONV, FC, KV_B_PARTS, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot,
-                            kv_b_fits, text_config)
+from .families.base import (FC, KV_B_PARTS, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot,
+                            text_config)
 from .plan import fp8
 from .plan.head import SIDECAR_PREFIX
 from . import verify_shapes as shapes
@@ -151,8 +151,6 @@ def _config_file(ckpt: Checkpoint) -> Path:
 
 
 def _mtp_count_key(ckpt: Checkpoint) -> str:
-    from .families import family_for
-
     return (("text_config." if isinstance(ckpt.config.get("text_config"), dict) else "")
             + family_for(ckpt.config).mtp_count_key)
 
@@ -223,12 +221,9 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
             _check_experts(ckpt, family, slot, contribs, spec, report)
             continue
         if contribs[0].part in KV_B_PARTS:
-            info = ckpt.tensors[contribs[0].source]
-            if not kv_b_fits(info.shape, slot.shape, contribs[0].part):
-                report.add("shape-mismatch", ERROR, f"kv_b_proj shape {list(info.shape)} does not split into "
-                           f"{slot.name} {list(slot.shape)}", contribs[0].source, info.file)
+            shapes.check_kv_b(ckpt, slot, contribs[0], report)
             continue
-        _check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
+        shapes.check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
     head_only = any_mtp and all(family.is_head(t) for t in targets)
     if head_only:
         report.layout = "head-only"
@@ -308,21 +303,6 @@ def _check_experts(ckpt, family: Family, slot: Slot, contribs, spec, report: Rep
     if got != want:
         report.add("shape-mismatch", ERROR, f"shape {list(got)} does not match the config {list(want)}", c.source,
                    info.file)
-
-
-def _check_shape(ckpt, slot: Slot, key: str, raw: bool, aux, report: Report) -> None:
-    info = ckpt.tensors[key]
-    want = slot.shape
-    if slot.kind == CONV and raw:
-        want = (slot.shape[0], 1, slot.shape[1])
-    if aux and "scales" in aux:
-        if info.shape[:-1] != want[:-1]:
-            report.add("shape-mismatch", ERROR, f"packed shape {list(info.shape)} does not match {list(want)}", key,
-                       info.file)
-        return
-    if info.shape != want:
-        report.add("shape-mismatch", ERROR, f"shape {list(info.shape)} does not match the config {list(want)}",
-                   key, info.file)
 
 
 def infer_quant(ckpt, family: Family, slot: Slot, aux: Dict[str, str]) -> Optional[dict]:

@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.checks.smoke import divergence
-from mtpconvert.runtime.decoding import batched
+from mtpconvert.runtime.decoding import batched, draft_policy
 from mtpconvert.runtime.decoding.batched import Stream, run_batch
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.rowcache import RowKVCache
@@ -127,21 +127,148 @@ def test_plain_rows_read_pending_pairs_in_later_drafts(dense, solo):
         assert s.out == solo[i], divergence(m, i, s.prompt, solo[i], s.out)
 
 
+def test_long_catch_up_runs_in_fixed_width_passes(dense):
+    """Rows that ran plain for 40+ steps (pending pairs of different counts, up to 3 passes of
+    CATCH_UP) then draft: each row's head cache ends at its backbone length, drafts are accepted,
+    and every row still decodes its solo tokens."""
+    m, prompts = dense
+    n = 60
+    streams = [Stream(list(prompts[i]), n, seed=i) for i in range(3)]
+    engine = batched.BatchedMTP(m, depth=2)
+    engine.add_many(streams[:2], [0, 1])
+    for step in range(44):
+        if step == 6:
+            engine.add(streams[2], 2)  # joins late: fewer pending pairs than the others
+        engine.step(draft=False)
+    counts = [len(s.pend_t) for s in engine.streams]
+    assert max(counts) > 2 * batched.CATCH_UP and len(set(counts)) > 1
+    assert batched.head_passes(max(counts), 2) == (3, batched.CATCH_UP)
+    fa = m.lm.model.fa_idx
+    while engine.streams:
+        engine.step(draft=True)
+        pending = [len(s.pend_t) for s in engine.streams]  # the head has read every pair but these
+        assert engine.head_cache[0].lengths == [L - p for L, p in zip(engine.cache[fa].lengths, pending)]
+        engine.drop_finished()
+    assert sum(a for rec in engine.log if rec.drafted for a in rec.accepted) > 10
+    for i, s in enumerate(streams):
+        assert s.out == plain_generate(m, s.prompt, n)[0], i
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_warm_up_visits_every_pass_shape(dense, depth):
+    """``warm_up`` runs, per batch size 1 .. rows, a catch-up (head passes of CATCH_UP), a normal
+    drafting step (head pass of depth + 1), and a pipelined plain step: every shape a decode meets."""
+    m, _ = dense
+    log = batched.warm_up(m, depth, 3)
+    for B in (1, 2, 3):
+        steps = [r for r in log if len(r.streams) == B]
+        assert any(r.drafted and r.head_width > batched.CATCH_UP for r in steps)  # 2 catch-up passes
+        assert any(r.drafted and r.head_width <= depth + 1 for r in steps)
+        assert any(r.drafted and depth + 1 < r.head_width <= batched.CATCH_UP for r in steps)  # after plain steps
+        assert any(not r.drafted and r.built_next for r in steps)
+
+
+def _unpipelined(m, streams, depth=1):
+    """The plain batched engine stepping one graph at a time (no step built ahead)."""
+    engine = batched.BatchedMTP(m, depth)
+    engine.add_many(streams, list(range(len(streams))))
+    while engine.streams:
+        engine.step(draft=False)
+        engine.drop_finished()
+    return engine
+
+
+def test_pipelined_plain_steps_equal_unpipelined(dense, solo):
+    """run_batch's plain engine builds each step from the last one's lazy tokens before reading them
+    (as mlx-lm's BatchGenerator does). Greedy rows (one stopped by an EOS mid-run, others of different
+    lengths, so rows leave while a step is built ahead) decode their solo tokens; sampled rows under a
+    repetition penalty decode what the same rows decode one graph at a time, which they would not if a
+    step built ahead drew at the wrong position or missed the pending token in its history."""
+    m, prompts = dense
+    eos = solo[2][7]
+    procs = lambda: make_logits_processors(repetition_penalty=1.6, repetition_context_size=6)  # noqa: E731
+
+    def streams():
+        return ([Stream(list(prompts[i]), TOKENS - 3 * i, seed=i, eos=[eos] if i == 2 else []) for i in range(4)]
+                + [Stream(list(prompts[i]), TOKENS, sampling=Sampling(1.0, top_k=8), seed=10 + i,
+                          processors=procs() if i % 2 else ()) for i in range(4, 7)])
+
+    piped = streams()
+    engine = run_batch(m, piped, 1, "plain")
+    assert sum(r.built_before for r in engine.log) > len(engine.log) // 2  # it did pipeline
+    assert len({len(r.streams) for r in engine.log}) > 2  # rows left while steps were built ahead
+    alone = streams()
+    _unpipelined(m, alone)
+    for i, (a, b) in enumerate(zip(piped, alone)):
+        assert a.out == b.out, i
+        if i < 4:
+            expect = solo[i][: solo[i].index(eos) + 1] if i == 2 else solo[i][: TOKENS - 3 * i]
+            assert a.out == expect, i
+    assert piped[2].out[-1] == eos and len(piped[2].out) < TOKENS - 6
+
+
+def test_auto_mode_pipelines_plain_stretches(dense, solo):
+    """In auto mode a plain step whose successor the policy also runs plain is built ahead; drafting
+    steps and steps before a join are not. Greedy rows still decode their solo tokens."""
+    m, prompts = dense
+
+    class Every4th(draft_policy.DraftPolicy):  # drafts every 4th decision
+        n = 0
+
+        def choose(self, engine):
+            self.n += 1
+            return self.n % 4 == 0
+
+    streams = [Stream(list(p), TOKENS, seed=i) for i, p in enumerate(prompts[:4])]
+    engine = run_batch(m, streams, 2, "auto", join_at=[0, 0, 5, 5], policy=Every4th())
+    for s, ref in zip(streams, solo):
+        assert s.out == ref
+    log = engine.log
+    assert any(r.built_next for r in log) and any(r.drafted for r in log)
+    for prev, rec in zip(log, log[1:]):
+        assert rec.built_before == prev.built_next
+        assert not (prev.built_next and rec.drafted)
+        if len(rec.streams) > len(prev.streams):  # rows joined: nothing was built ahead of them
+            assert not rec.built_before
+    steady = [r for r in log if not r.drafted and r.steady]
+    assert steady and all(r.seconds > 0 for r in steady)
+
+
 def test_row_kv_cache_masks_per_row():
-    """Rows at lengths 2 and 4 after per-row trims: each query sees exactly its row's keys."""
+    """Rows at lengths 2 and 4 after per-row trims: each query sees exactly its row's keys. A pass of
+    several tokens reads a window padded to the buffer step (its shapes change once per step tokens:
+    MLX CUDA builds a cuDNN graph per attention shape); a one-token pass reads max length + 1."""
     c = RowKVCache([0, 0])
     kv = mx.arange(2 * 1 * 5 * 1, dtype=mx.float32).reshape(2, 1, 5, 1)
-    c.update_and_fetch(kv, kv)
+    keys, _ = c.update_and_fetch(kv, kv)
+    assert keys.shape == (2, 1, RowKVCache.step, 1)
     c.trim_rows([3, 1])
     assert c.lengths == [2, 4] and c.offset.tolist() == [2, 4]
-    mask = c.make_mask(2)  # [2, 1, 2, 6]
-    assert mask[0, 0].tolist() == [[True] * 3 + [False] * 3, [True] * 4 + [False] * 2]
-    assert mask[1, 0].tolist() == [[True] * 5 + [False], [True] * 6]
+    mask = c.make_mask(2)  # [2, 1, 2, step]
+    assert mask.shape == (2, 1, 2, RowKVCache.step) and not mask[..., 6:].any().item()
+    assert mask[0, 0, :, :6].tolist() == [[True] * 3 + [False] * 3, [True] * 4 + [False] * 2]
+    assert mask[1, 0, :, :6].tolist() == [[True] * 5 + [False], [True] * 6]
+    assert c.make_mask(1).shape == (2, 1, 1, 5) and RowKVCache([3, 3]).make_mask(1) is None
     new = mx.full((2, 1, 2, 1), -1.0)
     keys, _ = c.update_and_fetch(new, new)
-    assert keys[0, 0, :, 0].tolist()[:4] == [0, 1, -1, -1] and keys[1, 0, :, 0].tolist() == [5, 6, 7, 8, -1, -1]
+    assert keys.shape[2] == RowKVCache.step
+    assert keys[0, 0, :4, 0].tolist() == [0, 1, -1, -1] and keys[1, 0, :6, 0].tolist() == [5, 6, 7, 8, -1, -1]
+    assert c.update_and_fetch(new[:, :, :1], new[:, :, :1])[0].shape[2] == 7
     with pytest.raises(ValueError, match="cannot trim"):
-        c.trim_rows([5, 0])
+        c.trim_rows([6, 0])
+
+
+def test_row_kv_cache_window_doubles():
+    """The padded window of a multi-token pass is ``step`` times the power of two that reaches its end,
+    and the buffer grows to hold it: the passes of a whole decode meet log2(context / step) + 1 shapes."""
+    c = RowKVCache([0])
+    c.step = 8
+    x = mx.zeros((1, 1, 3, 1))
+    shapes = []
+    for _ in range(9):  # ends 3, 6, ..., 27
+        assert c.make_mask(3).shape[-1] == c.window(c.lengths[0] + 3)
+        shapes.append(c.update_and_fetch(x, x)[0].shape[2])
+    assert shapes == [8, 8, 16, 16, 16, 32, 32, 32, 32] and c.keys.shape[2] == 32
 
 
 # ---------------------------------------------------------------- logits processors
@@ -273,32 +400,69 @@ def test_bench_concurrency_json_and_bad_input(tmp_path):
         assert result.exit_code == 2 and "--concurrency" in result.output and "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.05, False), (0.012, True)])
-def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
-    """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
-    tok/s), a 12 ms one wins (583 vs 400), although the first step of each kind is 20x slower (a
-    kernel compile). The losing kind is still probed, in runs of 3 steps at growing intervals."""
-    from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
+def simulate_policy(policy, draft_seconds, steps, plain_seconds=0.010, catch_up_per_step=0.002, B=4):
+    """A policy deciding ``steps`` steps of a fake 4-row batch: each drafting row emits 1.75 tokens; the
+    first step of each kind is 20x slower (a kernel compile); a drafting step after n plain steps also
+    pays the head's catch-up over them (n * ``catch_up_per_step``; not a step cost, so not timed).
+    Returns the choices and, per step, (seconds, tokens)."""
+    from mtpconvert.runtime.decoding.batched import StepLog
 
     class Engine:
         depth = 1
-        streams = [Stream([1], 10) for _ in range(4)]
+        streams = [Stream([1], 10) for _ in range(B)]
 
-    policy, chosen = DraftPolicy(reprobe=8), []
-    for _ in range(160):
+    chosen, cost, plain_run = [], [], 0
+    for _ in range(steps):
         d = policy.choose(Engine)
-        seconds = draft_seconds if d else 0.010
+        seconds = draft_seconds if d else plain_seconds
         if d not in chosen:
             seconds *= 20
+        width = 2
+        if d and plain_run:
+            seconds += plain_run * catch_up_per_step
+            width = plain_run + 2
+        plain_run = 0 if d else plain_run + 1
         chosen.append(d)
-        policy.observe(Engine, StepLog([0, 1, 2, 3], [1, 0, 1, 1] if d else [-1] * 4, d, seconds,
-                                       head_width=2 if d else 0))
+        accepted = [1, 0, 1, 1] if d else [-1] * B
+        cost.append((seconds, B + (3 if d else 0)))
+        policy.observe(Engine, StepLog(list(range(B)), accepted, d, seconds, head_width=width if d else 0))
+    return chosen, cost
+
+
+@pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.05, False), (0.012, True)])
+def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
+    """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
+    tok/s), a 12 ms one wins (583 vs 400), although the first step of each kind is 20x slower. The
+    losing kind is still probed, in runs of 3 steps, and exploring costs at most about the budget:
+    the loser's steps after the first timings lose (against the winner's rate, for the same tokens) no
+    more than budget x the time on the winner plus one probe."""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy
+
+    policy = DraftPolicy(budget=0.05)
+    chosen, cost = simulate_policy(policy, draft_seconds, 600)
     assert chosen[:6] == [True] * 3 + [False] * 3  # each kind timed 3 times first
     minority = [i for i, d in enumerate(chosen[6:], 6) if d != expect_drafting]
     probes = [minority[i:i + 3] for i in range(0, len(minority), 3)]
-    assert 2 <= len(probes) <= 5 and all(p == list(range(p[0], p[0] + 3)) for p in probes), minority
-    gaps = [b[0] - a[0] for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps), gaps
+    assert len(probes) >= 2 and all(p == list(range(p[0], p[0] + 3)) for p in probes), minority
+    rate = max(1.75 * 4 / draft_seconds, 4 / 0.010)
+    loss = [max(cost[i][0] - cost[i][1] / rate, 0) for i in minority]
+    on_winner = sum(cost[i][0] for i in range(6, len(chosen)) if chosen[i] == expect_drafting)
+    assert sum(loss) <= policy.budget * on_winner + max(sum(loss[i:i + 3]) for i in range(0, len(loss), 3))
+
+
+def test_draft_policy_spaces_expensive_probes():
+    """A drafting probe after a long plain stretch pays the head's catch-up over it: the more a probe
+    loses, the longer the next one waits (the intervals grow), and with a larger budget probes come
+    sooner."""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy
+
+    gaps = {}
+    for budget in (0.1, 0.3):
+        chosen, _ = simulate_policy(DraftPolicy(budget=budget), 0.05, 3000, catch_up_per_step=0.004)
+        starts = [i for i in range(7, len(chosen)) if chosen[i] and not chosen[i - 1]]
+        gaps[budget] = [b - a for a, b in zip(starts, starts[1:])]
+        assert len(starts) >= 3 and gaps[budget] == sorted(gaps[budget]), (budget, starts)
+    assert gaps[0.3][0] < gaps[0.1][0]
 
 
 def test_draft_policy_does_not_time_a_catch_up_step():

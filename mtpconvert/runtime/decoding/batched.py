@@ -10,12 +10,19 @@ token t_r not yet fed):
 2. verify  one (B, k+1) backbone pass: drafting rows feed [t_r, d_1..d_k]; plain rows feed t_r
            followed by k tokens whose results are dropped. When no row drafts this is the plain
            (B, 1) step, and then the head does not run at all (pending pairs accumulate).
-3. decide  per row on device: logits processors on the row's own history (prompt, emitted tokens,
-           then the drafts before each position), then greedy or sampled acceptance
-           (``sampling.accept_drafts``) for drafting rows, a plain draw for plain rows. One
-           ``mx.eval`` for the whole batch: the step's only host sync.
+3. decide  on device: greedy rows without processors in one batched argmax; others per row, logits
+           processors on the row's own history (prompt, emitted tokens, then the drafts before each
+           position), then greedy or sampled acceptance (``sampling.accept_drafts``) for drafting
+           rows, a plain draw for plain rows. One ``mx.eval`` for the whole batch: the step's only
+           host sync.
 4. undo    row r keeps a_r + 1 positions: ``rowcache.undo_rows`` trims full-attention rows and
            replays linear attention per row from the pass's saved inputs.
+
+A plain step followed by another plain step over the same rows is pipelined as in mlx-lm's
+``BatchGenerator``: the next step's graph is built from this step's lazy tokens and started before
+this step's tokens are read (``step(ahead=True)``). Every pass takes one of few shapes (the
+caches' key windows, ``head_passes``), since MLX's CUDA backend builds a cuDNN graph per shape;
+``warm_up`` runs each once.
 
 Random draws are keyed by (stream seed, output position, purpose) only, so a row's draws do not
 depend on the other rows, on when it joined, or on how the steps were cut.
@@ -26,110 +33,49 @@ the rows draft, from the step times it has measured at that batch size.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from .draft_policy import DraftPolicy
 from .load import MTPModel
 from .rowcache import RowKVCache, make_row_cache, undo_rows
-from .sampling import Sampling, accept_drafts, categorical
-from .speculative import DecodeStats, backbone_forward, prepare_speculative
+from .rows import StepLog, Stream, choose, decide, draw_key, emit, processed, processed_positions, simple
+from .sampling import categorical
+from .speculative import DecodeStats, backbone_forward, linear_states, prepare_speculative
 
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]  # mlx-lm's: (history tokens, logits [1, V])
-
-
-def draw_key(seed: int, position: int, purpose: str) -> mx.array:
-    """The PRNG key of one draw: a function of (stream seed, output position, purpose) only."""
-    digest = hashlib.blake2b(f"{seed}/{position}/{purpose}".encode(), digest_size=8).digest()
-    return mx.random.key(int.from_bytes(digest, "little") >> 1)
+CATCH_UP = 32  # width of each head pass of a catch-up (see ``head_passes``)
 
 
-@dataclass
-class Stream:
-    """One sequence: the request, then its decode state. ``draft=False`` keeps the row plain."""
-
-    prompt: List[int]
-    max_tokens: int
-    sampling: Sampling = Sampling()
-    seed: int = 0
-    draft: bool = True
-    processors: Sequence[LogitsProcessor] = ()
-    eos: Sequence[int] = ()
-    out: List[int] = field(default_factory=list)
-    accepted: List[int] = field(default_factory=list)  # per step this row took part in: drafts kept, -1 = plain
-    stats: DecodeStats = field(default_factory=DecodeStats)
-    pend_h: Optional[mx.array] = None  # [p, H] backbone states whose next token is known
-    pend_t: List[int] = field(default_factory=list)  # those next tokens
-    first_token_s: float = 0.0  # perf_counter when the first token was known
-    done_s: float = 0.0
-
-    @property
-    def done(self) -> bool:
-        return len(self.out) >= self.max_tokens or bool(self.out and self.out[-1] in self.eos)
-
-    def history(self) -> List[int]:
-        """Every token so far, the confirmed one last: what a processor sees for the next position."""
-        return self.prompt + self.out
-
-
-def processed(s: Stream, logits: mx.array, history: mx.array) -> mx.array:
-    """Logits [1, V] after the stream's processors, for the position right after ``history``."""
-    for proc in s.processors:
-        logits = proc(history, logits)
-    return logits
-
-
-def processed_positions(s: Stream, logits: mx.array, drafts: Optional[mx.array]) -> mx.array:
-    """Verify logits [S, V] after the processors: position i sees the history plus drafts d_1..d_i.
-
-    (The confirmed token is already the history's last entry; the verify input [t, d_1..] must not
-    add it again.)"""
-    if not s.processors:
-        return logits
-    base = mx.array(s.history())
-    rows = [processed(s, logits[i:i + 1], base if i == 0 else mx.concatenate([base, drafts[:i]]))
-            for i in range(logits.shape[0])]
-    return mx.concatenate(rows)
-
-
-@dataclass
-class StepLog:
-    """One step: which streams were in the batch and what each did (-1 = plain)."""
-
-    streams: List[int]
-    accepted: List[int]
-    drafted: bool
-    seconds: float
-    after_join: bool = False  # rows joined just before: the head read whole prompts this step
-    head_width: int = 0  # the most pending pairs one row's head read this step (0: the head did not run)
-
-
-def head_pass_width(pending: int, depth: int) -> int:
-    """Padded length of the head's pass over the rows' pending pairs. A normal step has at most
-    depth + 1; a catch-up (the first draft after plain steps, or after a join) can have any
-    number, and each new shape costs a kernel compile on a GPU backend (~50-100 ms on MLX CUDA,
-    tens of plain steps), so catch-ups are padded to a power of two: few shapes, at most 2x the work."""
+def head_passes(pending: int, depth: int) -> Tuple[int, int]:
+    """(passes, width) of the head's read of the rows' pending pairs. MLX's CUDA backend builds a
+    cuDNN graph for every new shape of an attention over several queries and of a convolution
+    (45-260 ms each, tens of plain steps), so the head meets two widths only: a normal step (at most
+    depth + 1 pending pairs per row) is one pass of depth + 1, padded; a catch-up (the first draft
+    after plain steps, or after a join: any number) runs as passes of ``CATCH_UP``, the last padded."""
     if pending <= depth + 1:
-        return pending
-    return 1 << (pending - 1).bit_length()
+        return 1, depth + 1
+    return -(-pending // CATCH_UP), CATCH_UP
 
 
 class BatchedMTP:
     """The batch: its streams, one set of row caches, and ``step``."""
 
-    def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm"):
+    def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm", draft_hook=None):
         prepare_speculative(m, depth, hidden)
         self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
+        # draft_hook(stream id, output position, proposed) -> drafted: replaces greedy drafts (measure/oracle.py)
+        self.draft_hook = draft_hook
         self.streams: List[Stream] = []
         self.ids: List[int] = []  # caller's id of each row
         self.cache: Optional[list] = None
         self.head_cache: Optional[List[RowKVCache]] = None
         self.log: List[StepLog] = []
         self.joined = False  # rows joined since the last step
+        self.ahead: Optional[PlainStep] = None  # the next plain step, built before this one's tokens were read
+        self.last_end = 0.0  # perf_counter when the last step returned
 
     # ------------------------------------------------------------------ membership
 
@@ -148,6 +94,8 @@ class BatchedMTP:
             self._prefill([s for s, _ in group], [sid for _, sid in group])
 
     def _prefill(self, streams: List[Stream], sids: List[int]) -> None:
+        if self.ahead is not None:
+            raise RuntimeError("a plain step was built ahead for the current rows: run it before rows join")
         m = self.m
         t0 = time.perf_counter()
         cache = make_row_cache(m.model, max_pass=self.depth + 1, rows=len(streams))
@@ -163,7 +111,7 @@ class BatchedMTP:
             s.out = [tok]
             s.stats = DecodeStats(depth=self.depth, prompt_tokens=len(s.prompt), proposed=[0] * self.depth,
                                   accepted=[0] * self.depth, prefill_s=now - t0)
-            s.pend_h, s.pend_t = states[self.pick][r], s.prompt[1:] + s.out
+            s.pend_h, s.pend_t = [states[self.pick][r]], s.prompt[1:] + s.out
             s.first_token_s = now
         if self.cache is None:
             self.cache = cache
@@ -186,57 +134,116 @@ class BatchedMTP:
             if s.done and not s.done_s:
                 s.done_s = time.perf_counter()
         if not keep:
-            self.cache = self.head_cache = None
+            self.cache = self.head_cache = self.ahead = None
         elif len(keep) < len(self.streams):
             for c in self.cache + self.head_cache:
                 c.filter(keep)
+            if self.ahead is not None:
+                self.ahead = self.ahead.rows(keep)
         self.streams = [self.streams[i] for i in keep]
         self.ids = [self.ids[i] for i in keep]
         return gone
 
     # ------------------------------------------------------------------ one step
 
-    def step(self, draft: bool = True) -> StepLog:
-        """One batched step; ``draft=False`` runs every row plain (the plain batched engine)."""
+    def step(self, draft: bool = True, ahead: bool = False) -> StepLog:
+        """One batched step; ``draft=False`` runs every row plain (the plain batched engine).
+
+        ``ahead=True`` on a plain step: the next step will be plain too, over the same rows (only
+        rows that finish may leave before it), so its graph is built from this step's tokens while
+        they are still lazy and started before this step's are read (``mx.async_eval``), as mlx-lm's
+        ``BatchGenerator`` does: the device never waits for the host's bookkeeping. The next call
+        must then be a plain step."""
         t0 = time.perf_counter()
-        m, k, rows = self.m, self.depth, self.streams
+        rows = self.streams
         drafting = [draft and s.draft for s in rows]
-        any_draft = any(drafting)
-        S = k + 1 if any_draft else 1
+        built_before = self.ahead is not None
+        if built_before:
+            if any(drafting):
+                raise RuntimeError("a plain step was built ahead: the next step must be plain")
+            current, self.ahead, t0 = self.ahead, None, self.last_end
+        elif any(drafting):
+            return self._drafting_step(drafting, t0)
+        else:
+            current = self._plain_graph(mx.array([[s.out[-1]] for s in rows]), 0)
+            if ahead:
+                mx.async_eval(current.tokens)
+        if ahead:
+            self.ahead = self._plain_graph(current.tokens[:, None], 1)
+            mx.async_eval(self.ahead.tokens)
+        tokens = current.tokens.tolist()  # the step's one host sync
+        for r, (s, t) in enumerate(zip(rows, tokens)):
+            s.pend_h.append(current.h[r])
+            s.pend_t.append(t)
+            emit(s, [t], -1, self.depth)
+        record = self._record([-1] * len(rows), False, t0, 0)
+        record.built_before, record.built_next = built_before, ahead
+        return record
+
+    def _plain_graph(self, fed: mx.array, after: int) -> "PlainStep":
+        """The lazy graph of a plain step feeding ``fed`` [B, 1]: each row's next token and the fed
+        position's state. ``after`` = 1 when ``fed`` is the lazy output of a step whose tokens are not
+        in the streams yet (histories and draw positions then count it)."""
+        m, rows = self.m, self.streams
+        states = backbone_forward(m, fed, self.cache)
+        logits = m.logits(states[1][:, 0])  # [B, V]
+        if all(simple(s) for s in rows):  # greedy, no processors: one argmax for the batch
+            tokens = mx.argmax(logits, axis=-1)
+        else:
+            tokens = []
+            for r, s in enumerate(rows):
+                history = mx.array(s.history()) if s.processors else None
+                if after and s.processors:
+                    history = mx.concatenate([history, fed[r, :1].astype(history.dtype)])
+                key = draw_key(s.seed, len(s.out) + after, "verify")
+                tokens.append(choose(s.sampling, processed(s, logits[r:r + 1], history), key))
+            tokens = mx.concatenate(tokens)
+        return PlainStep(tokens, states[self.pick][:, :1])
+
+    def _drafting_step(self, drafting: List[bool], t0: float) -> StepLog:
+        m, k, rows = self.m, self.depth, self.streams
+        S = k + 1
         confirmed = mx.array([[s.out[-1]] for s in rows])
-        head_width = max(len(s.pend_t) for s in rows) if any_draft else 0
-        drafts, q = (self._draft(drafting) if any_draft else (None, None))
-        verify_in = mx.concatenate([confirmed, drafts], axis=1) if any_draft else confirmed
-        states = backbone_forward(m, verify_in, self.cache)
+        head_width = max(len(s.pend_t) for s in rows)
+        drafts, q = self._draft(drafting)
+        mx.async_eval(drafts)  # the device runs the head while the verify pass's graph is built
+        states = backbone_forward(m, mx.concatenate([confirmed, drafts], axis=1), self.cache)
         logits = m.logits(states[1])  # [B, S, V]
-        n_acc, next_tokens = [], []
-        for r, s in enumerate(rows):
-            target = processed_positions(s, logits[r], drafts[r] if any_draft else None)
-            a, nxt = decide(s, target, drafts[r] if drafting[r] else None, q[r] if drafting[r] else None)
-            n_acc.append(a)
-            next_tokens.append(nxt)
-        n_acc, next_tokens = mx.stack(n_acc), mx.stack(next_tokens)
-        mx.eval(n_acc, next_tokens, drafts if any_draft else n_acc)  # the step's one host sync
+        if all(simple(s) for s in rows):  # greedy, no processors: the decision is batched
+            next_tokens = mx.argmax(logits, axis=-1)  # [B, S]
+            ok = (drafts == next_tokens[:, :k]) & mx.array(drafting)[:, None]
+            n_acc = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)
+        else:
+            n_acc, next_tokens = [], []
+            for r, s in enumerate(rows):
+                target = processed_positions(s, logits[r], drafts[r])
+                a, nxt = decide(s, target, drafts[r] if drafting[r] else None, q[r] if drafting[r] else None)
+                n_acc.append(a)
+                next_tokens.append(nxt)
+            n_acc, next_tokens = mx.stack(n_acc), mx.stack(next_tokens)
+        mx.eval(n_acc, next_tokens, drafts)  # the step's one host sync
         accepted = n_acc.tolist()
         next_list = next_tokens.tolist()
-        draft_list = drafts.tolist() if any_draft else None
+        draft_list = drafts.tolist()
 
         keep = [a + 1 for a in accepted]
         undo_rows(self.cache, keep, S)
-        if any_draft and k > 1:
+        if min(keep) < S:  # the linear layers' replay runs while the bookkeeping and the next graph are built
+            mx.async_eval(linear_states(self.cache))
+        if k > 1:
             self.head_cache[0].trim_rows([k - 1] * len(rows))
-        for r, s in enumerate(rows):
+        for r, s in enumerate(rows):  # the head read the old pending pairs this step
             a = accepted[r]
-            new = (draft_list[r][:a] if a else []) + [next_list[r][a]]
-            h = states[self.pick][r, :a + 1]
-            if any_draft:  # the head read the old pending pairs this step
-                s.pend_h, s.pend_t = h, list(new)
-            else:
-                s.pend_h, s.pend_t = mx.concatenate([s.pend_h, h]), s.pend_t + new
+            new = draft_list[r][:a] + [next_list[r][a]]
+            s.pend_h, s.pend_t = [states[self.pick][r, :a + 1]], list(new)
             emit(s, new, a if drafting[r] else -1, k)
-        record = StepLog(list(self.ids), [a if d else -1 for a, d in zip(accepted, drafting)], any_draft,
-                         time.perf_counter() - t0, after_join=self.joined, head_width=head_width)
-        self.joined = self.joined and not any_draft  # until the head has read the new prompts
+        return self._record([a if d else -1 for a, d in zip(accepted, drafting)], True, t0, head_width)
+
+    def _record(self, accepted: List[int], drafted: bool, t0: float, head_width: int) -> StepLog:
+        self.last_end = time.perf_counter()
+        record = StepLog(list(self.ids), accepted, drafted, self.last_end - t0, after_join=self.joined,
+                         head_width=head_width)
+        self.joined = self.joined and not drafted  # until the head has read the new prompts
         self.log.append(record)
         return record
 
@@ -245,18 +252,31 @@ class BatchedMTP:
         (drafts [B, k], per-row draft distributions [k, V] or None for greedy/plain rows)."""
         m, k, rows = self.m, self.depth, self.streams
         counts = [len(s.pend_t) for s in rows]
-        width = head_pass_width(max(counts), k)
-        hidden = mx.stack([mx.pad(s.pend_h, [(0, width - n), (0, 0)]) for s, n in zip(rows, counts)])
-        nexts = mx.array([s.pend_t + [0] * (width - n) for s, n in zip(rows, counts)])
-        x = m.head(hidden, m.embed(nexts), self.head_cache)  # [B, width, H]
-        self.head_cache[0].trim_rows([width - n for n in counts])
-        last = mx.array([n - 1 for n in counts])[:, None, None]
-        x = mx.take_along_axis(x, last, axis=1)  # [B, 1, H]: each row's last pending position
+        passes, width = head_passes(max(counts), k)
+        total = passes * width
+        pending = [s.pend_h[0] if len(s.pend_h) == 1 else mx.concatenate(s.pend_h) for s in rows]
+        hidden = mx.stack([mx.pad(h, [(0, total - n), (0, 0)]) if n < total else h for h, n in zip(pending, counts)])
+        nexts = mx.array([s.pend_t + [0] * (total - n) for s, n in zip(rows, counts)])
+        outs = []
+        for i in range(passes):  # each pass writes `width` positions per row, then drops the row's padding
+            cut = slice(i * width, (i + 1) * width)
+            outs.append(m.head(hidden[:, cut], m.embed(nexts[:, cut]), self.head_cache))  # [B, width, H]
+            self.head_cache[0].trim_rows([width - min(max(n - i * width, 0), width) for n in counts])
+        x = outs[0] if passes == 1 else mx.concatenate(outs, axis=1)
+        if min(counts) < total:
+            last = mx.array([n - 1 for n in counts])[:, None, None]
+            x = mx.take_along_axis(x, last, axis=1)  # [B, 1, H]: each row's last pending position
+        else:
+            x = x[:, -1:]
+        batched = all(simple(s) for s in rows)
         cols, q_rows = [], [[] for _ in rows]
         for j in range(k):
             if j:
                 x = m.head(x, m.embed(cols[-1][:, None]), self.head_cache)
             draft_logits = m.logits(x)[:, -1]  # [B, V]
+            if batched:
+                cols.append(self._hooked(mx.argmax(draft_logits, axis=-1), drafting, j))
+                continue
             col = []
             for r, s in enumerate(rows):
                 lg = draft_logits[r:r + 1]
@@ -268,140 +288,67 @@ class BatchedMTP:
                 else:
                     q_rows[r].append(s.sampling.probs(lg[0]))
                     col.append(categorical(q_rows[r][-1], draw_key(s.seed, len(s.out) + j, "draft")))
-            cols.append(mx.stack(col))
+            cols.append(self._hooked(mx.stack(col), drafting, j))
         q = [mx.stack(qr) if qr else None for qr in q_rows]
         return mx.stack(cols, axis=1), q
 
-
-def choose(sampling: Sampling, logits: mx.array, key: mx.array) -> mx.array:
-    return sampling.sample(logits, key)
-
-
-def decide(s: Stream, target: mx.array, drafts: Optional[mx.array], q: Optional[mx.array]):
-    """(drafts kept, tokens [S]) for one row; tokens[kept] is the token emitted after the kept drafts.
-
-    A plain row keeps none and draws from position 0. Keys depend on (stream, output position)."""
-    key = draw_key(s.seed, len(s.out), "verify")
-    if drafts is None:  # draw at position 0 only: the same draw whatever the pass length
-        token = choose(s.sampling, target[:1], key)
-        return mx.array(0), mx.concatenate([token, mx.zeros(target.shape[0] - 1, token.dtype)])
-    if s.sampling.greedy:
-        return accept_drafts(target, None, drafts, True)
-    return accept_drafts(s.sampling.probs(target), q, drafts, False, key)
+    def _hooked(self, col: mx.array, drafting: List[bool], j: int) -> mx.array:
+        """Draft column j [B] after ``draft_hook`` (greedy drafting rows only; none: unchanged)."""
+        if self.draft_hook is None:
+            return col
+        rows = self.streams
+        return mx.stack([self.draft_hook(self.ids[r], len(s.out) + j, col[r])
+                         if drafting[r] and s.sampling.greedy else col[r] for r, s in enumerate(rows)])
 
 
-def emit(s: Stream, new: List[int], a: int, depth: int) -> None:
-    """Append a step's tokens to the stream (cut at EOS and max_tokens) and count them."""
-    s.accepted.append(a)
-    st = s.stats
-    st.steps += 1
-    if a >= 0:
-        for i in range(depth):
-            st.proposed[i] += 1
-            st.accepted[i] += 1 if i < a else 0
-    for i, t in enumerate(new):
-        if t in s.eos:
-            new = new[: i + 1]
-            break
-    new = new[: s.max_tokens - len(s.out)]
-    st.from_drafts += min(max(a, 0), len(new))
-    s.out.extend(new)
-    st.emitted = len(s.out)
+@dataclass
+class PlainStep:
+    """A plain step's lazy results: each row's next token [B] and the fed position's state [B, 1, H]."""
+
+    tokens: mx.array
+    h: mx.array
+
+    def rows(self, keep: Sequence[int]) -> "PlainStep":
+        idx = mx.array(list(keep))
+        return PlainStep(self.tokens[idx], self.h[idx])
 
 
-class DraftPolicy:
-    """Draft a step only when drafting is measured to emit more tokens per second at this batch size.
-
-    Measures, per batch size B, the wall time of a drafting step and of a plain step
-    (``StepLog.seconds``: device work plus the host sync and bookkeeping) and the tokens a drafting
-    row emits per drafting step (1 + accepted drafts, moving average over all rows). A kind's cost
-    is the fastest of its last ``window`` timed steps: a slow outlier is a first-time kernel
-    compile (MLX's CUDA backend compiles each new shape) or other load, never the step's own cost,
-    and steps whose head read more than one step's pending pairs (after a join, or the first draft
-    after a plain stretch, which reads the whole stretch) are not timed at all. With n of B rows
-    drafting it predicts (n * tokens_per_row + B - n) / t_draft against B / t_plain and drafts
-    when the first is larger. Each kind is timed ``probe_steps`` times at a new B before
-    predicting; after that the losing kind is probed for ``probe_steps`` steps so its cost and the
-    acceptance stay current, first after ``reprobe`` decisions, then at doubling intervals (up to
-    ``max_interval``) while the same kind keeps losing.
-    """
-
-    def __init__(self, reprobe: int = 16, max_interval: int = 256, smoothing: float = 0.3, window: int = 8,
-                 probe_steps: int = 3):
-        self.reprobe, self.max_interval, self.smoothing = reprobe, max_interval, smoothing
-        self.window, self.probe_steps = window, probe_steps
-        self.timed: Dict[Tuple[int, bool], Deque[float]] = {}
-        self.tokens_per_row: Optional[float] = None
-        self.decisions = 0
-        self.interval = reprobe
-        self.next_probe = reprobe
-        self.probing = 0  # steps left of the current probe
-        self.last_winner: Optional[bool] = None
-
-    def seconds(self, B: int, drafted: bool) -> Optional[float]:
-        """The step cost of one kind at batch size B, or None until it was timed ``probe_steps`` times."""
-        times = self.timed.get((B, drafted))
-        return min(times) if times and len(times) >= min(self.probe_steps, self.window) else None
-
-    def predicted_rates(self, B: int, drafting: int) -> Optional[Tuple[float, float]]:
-        """(drafting tok/s, plain tok/s) at batch size B, or None until both kinds were measured."""
-        t_draft, t_plain = self.seconds(B, True), self.seconds(B, False)
-        if t_draft is None or t_plain is None or self.tokens_per_row is None:
-            return None
-        return (drafting * self.tokens_per_row + B - drafting) / t_draft, B / t_plain
-
-    def choose(self, engine: BatchedMTP) -> bool:
-        B = len(engine.streams)
-        drafting = sum(s.draft for s in engine.streams)
-        if not drafting:
-            return False
-        if self.seconds(B, True) is None or self.tokens_per_row is None:
-            return True
-        if self.seconds(B, False) is None:
-            return False
-        draft_rate, plain_rate = self.predicted_rates(B, drafting)
-        self.decisions += 1
-        better = draft_rate > plain_rate
-        if better != self.last_winner:  # the winner changed: probe soon again
-            self.interval, self.next_probe = self.reprobe, self.decisions + self.reprobe
-            self.last_winner = better
-        if self.probing:
-            self.probing -= 1
-            return not better
-        if self.decisions >= self.next_probe:
-            self.interval = min(2 * self.interval, self.max_interval)
-            self.next_probe = self.decisions + self.interval
-            self.probing = self.probe_steps - 1
-            return not better
-        return better
-
-    def observe(self, engine: BatchedMTP, record: StepLog) -> None:
-        if record.head_width <= engine.depth + 1 and not record.after_join:
-            times = self.timed.setdefault((len(record.streams), record.drafted), deque(maxlen=self.window))
-            times.append(record.seconds)
-        kept = [a for a in record.accepted if a >= 0]
-        if record.drafted and kept:
-            new = 1 + sum(kept) / len(kept)
-            old = self.tokens_per_row
-            self.tokens_per_row = new if old is None else old + self.smoothing * (new - old)
+def warm_up(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm") -> List[StepLog]:
+    """Run, once, every pass shape a batch of 1 .. ``rows`` rows meets while decoding (prefill
+    aside): per batch size, the head's catch-up passes (``CATCH_UP``), its normal pass (depth + 1)
+    and chained drafts (1), the verify pass (depth + 1), and pipelined plain steps (1), all within
+    the first attention window. On a backend that compiles per shape (MLX CUDA: a cuDNN graph per
+    attention and per convolution shape) the decode that follows then compiles nothing, whatever
+    its mix of drafting and plain steps and however rows leave. Returns the steps' logs."""
+    log: List[StepLog] = []
+    prompt = list(range(1, CATCH_UP + 2))  # the first draft catches up over 2 passes
+    for B in range(1, rows + 1):
+        engine = BatchedMTP(m, depth, hidden)
+        engine.add_many([Stream(list(prompt), 1 << 30, seed=r) for r in range(B)], list(range(B)))
+        for draft, ahead in ((True, False), (True, False), (False, True), (False, False), (True, False), (True, False)):
+            engine.step(draft, ahead=ahead)
+        mx.eval([c.state for c in engine.cache + engine.head_cache])
+        log.extend(engine.log)
+    return log
 
 
 def run_batch(
     m: MTPModel, streams: Sequence[Stream], depth: int = 1, mode: str = "mtp", join_at: Optional[Sequence[int]] = None,
-    hidden: str = "post-norm", policy=None,
+    hidden: str = "post-norm", policy=None, draft_hook=None,
 ) -> BatchedMTP:
     """Decode ``streams`` together until all are done. Stream i joins before step ``join_at[i]``
     (default 0) and leaves after the step that finishes it. ``mode``: "mtp" (rows draft as their
     ``draft`` flag says), "plain" (no row drafts: the plain batched engine), "auto" (``policy``
-    decides per step). Returns the engine (its ``log``; the streams hold their tokens)."""
+    decides per step). ``draft_hook``: see ``BatchedMTP``. Returns the engine (its ``log``; the streams hold
+    their tokens)."""
     if mode not in ("mtp", "plain", "auto"):
         raise ValueError(f"mode must be mtp, plain or auto, not {mode!r}")
     if mode == "auto" and policy is None:
         policy = DraftPolicy()
-    engine = BatchedMTP(m, depth, hidden)
+    engine = BatchedMTP(m, depth, hidden, draft_hook=draft_hook)
     join_at = list(join_at) if join_at is not None else [0] * len(streams)
     waiting = sorted(range(len(streams)), key=lambda i: join_at[i])
-    step = 0
+    step, decided = 0, None  # decided: the policy's choice for this step, made during the last one
     while waiting or engine.streams:
         joining = []
         while waiting and join_at[waiting[0]] <= step:
@@ -410,10 +357,24 @@ def run_batch(
             engine.add_many([streams[i] for i in joining], joining)
             engine.drop_finished()  # max_tokens 1, or EOS as the first token
         if engine.streams:
-            draft = mode == "mtp" or (mode == "auto" and policy.choose(engine))
-            record = engine.step(draft)
+            if mode == "auto":
+                draft = policy.choose(engine) if decided is None else decided
+            else:
+                draft = mode == "mtp"
+            # a plain step followed by another plain step over the same rows builds that one before
+            # reading its own tokens (``BatchedMTP.step``'s ahead): in auto mode the policy decides
+            # the next step now, one step's observation earlier than it otherwise would
+            ahead, decided = False, None
+            if not draft and not (waiting and join_at[waiting[0]] <= step + 1) and any(
+                    len(s.out) + 1 < s.max_tokens for s in engine.streams):
+                if mode == "auto":
+                    decided = policy.choose(engine)
+                ahead = mode == "plain" or (mode == "auto" and not decided)
+            record = engine.step(draft, ahead=ahead)
             if policy is not None:
                 policy.observe(engine, record)
             engine.drop_finished()
+            if not engine.streams:
+                decided = None
         step += 1
     return engine

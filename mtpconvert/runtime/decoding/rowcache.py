@@ -8,9 +8,13 @@ it), so one row cannot drop its rejected drafts while another keeps them. Here:
     advances every row by S; ``trim_rows(n)`` then takes back row r's last n_r (padding, rejected
     drafts). Positions past L_r keep stale values that no query can see: query i of row r sits at
     position L_r + i and the mask lets it see keys j <= L_r + i only, and the next pass overwrites
-    them. RoPE gets the per-row offsets L_r. When all rows have the same length the cache behaves
-    exactly like mlx-lm's ``KVCache`` (int offset, mask None / "causal", same slices), so one row
-    alone decodes with the stock kernels and masks.
+    them. RoPE gets the per-row offsets L_r. A pass of one token sees keys [0, max L + 1) and, when
+    all rows have the same length, no mask: mlx-lm's ``KVCache`` decode step (int offset, same
+    slices). A pass of S > 1 tokens (verify, the head's pending pairs, prefill) sees a window of
+    ``window(max L + S)`` keys (``step`` times a power of two) with an array mask, so its attention
+    shapes change at each doubling of the context instead of every step: MLX's CUDA backend builds a
+    cuDNN attention graph for every new (query, key, mask) shape of a multi-token query, 45-180 ms
+    each.
 ``RowRollbackCache``  linear attention (GatedDeltaNet). The recording forward keeps the last
     pass's inputs (``rollback.RecordingGatedDeltaNet``); ``rollback_rows(keep)`` re-runs the
     recurrence once over the pass with a per-row mask (position i counts for row r only when
@@ -53,12 +57,20 @@ class RowKVCache:
     def state(self):
         return [] if self.keys is None else [self.keys, self.values]
 
+    def window(self, end: int) -> int:
+        """Keys a pass of several tokens ending at ``end`` attends over: ``step`` times the power of
+        two that reaches ``end`` (256, 512, 1024, ...: a new attention shape at each doubling of the
+        context, at most twice the keys). The buffer grows to it, so it is a prefix of the buffer."""
+        blocks = -(-end // self.step)
+        return self.step << (blocks - 1).bit_length()
+
     def _grow(self, keys: mx.array, values: mx.array, end: int) -> None:
-        if self.keys is not None and end <= self.keys.shape[2]:
+        need = self.window(end)
+        if self.keys is not None and need <= self.keys.shape[2]:
             return
         B, H, _, Dk = keys.shape
         have = 0 if self.keys is None else self.keys.shape[2]
-        extra = ((end - have + self.step - 1) // self.step) * self.step
+        extra = need - have
         new_k = mx.zeros((B, H, extra, Dk), keys.dtype)
         new_v = mx.zeros((B, H, extra, values.shape[3]), values.dtype)
         if self.keys is None:
@@ -80,21 +92,24 @@ class RowKVCache:
             self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
         self.lengths = [n + S for n in self.lengths]
+        if S > 1:
+            end = self.window(end)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """Mask for a pass of N tokens, made before it writes. Rows of different lengths get a
-        [B, 1, N, max L + N] boolean mask: query i of row r sees keys 0 .. L_r + i."""
+        """Mask for a pass of N tokens, made before it writes: query i of row r sees keys 0 .. L_r + i.
+        One token: None when all rows have the same length, else [B, 1, 1, max L + 1]. Several
+        tokens: always an array, [B, 1, N, window(max L + N)] (the padded window the pass reads)."""
         if window_size is not None:
             raise NotImplementedError("sliding-window attention is not used by Qwen3.5")
-        if self.uniform:
-            if N == 1:
+        end = max(self.lengths) + N
+        if N == 1:
+            if self.uniform:
                 return None
-            if not return_array:
-                return "causal"
+        else:
+            end = self.window(end)
         lengths = mx.array(self.lengths)[:, None, None, None]
-        keys_at = mx.arange(max(self.lengths) + N)
-        return keys_at <= lengths + mx.arange(N)[:, None]
+        return mx.arange(end) <= lengths + mx.arange(N)[:, None]
 
     def trim_rows(self, n: Sequence[int]) -> None:
         """Take back the last n[r] positions of row r."""

@@ -12,18 +12,26 @@ Throughput is decode throughput: tokens after each stream's first one, over the 
 stream's first token to the last stream's end (prefill excluded for every decoder alike).
 Aggregate tok/s counts all streams; per-stream tok/s is each stream's own tokens over its own
 decode time, averaged. All decoders run in one process, interleaved per concurrency, after an
-untimed warm-up of each (kernels compile per shape).
+untimed warm-up of each (kernels compile per shape; on a GPU ``batched.warm_up`` first runs every
+pass shape of 1 .. C rows, since `auto`'s timed trajectory differs from its warm-up's). With
+``rounds`` > 1 the timed runs repeat, interleaved and rotated (round i starts at the i-th decoder),
+and each decoder reports its median round (every round's aggregate tok/s is kept): on a shared
+machine one round moves by tens of percent. Before every timed run the garbage is collected and
+MLX's buffer cache cleared, so no run pays for the one before. The ``auto`` policy is warmed by one
+untimed run and kept across rounds, as a server keeps it.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from ..decoding.batched import DraftPolicy, Stream, run_batch
+from ..decoding.batched import Stream, run_batch, warm_up
+from ..decoding.draft_policy import DraftPolicy
 from ..decoding.load import MTPModel
 from ..decoding.sampling import Sampling
 from .baseline import mlx_lm_sampler
@@ -42,6 +50,15 @@ class DecoderRun:
     drafted_steps: int = 0
     accepted: List[int] = field(default_factory=list)  # per stream: drafts accepted
     proposed: List[int] = field(default_factory=list)  # per stream: drafts proposed (all depths)
+    rounds: List[float] = field(default_factory=list)  # aggregate tok/s of every timed round (this is the median one)
+    cpu_s: float = 0.0  # process CPU time of the whole run (prefill included, every thread)
+    cpu_rounds: List[float] = field(default_factory=list)  # generated tokens per CPU second, every round
+
+    @property
+    def cpu_tps(self) -> float:
+        """Generated tokens per CPU second of the process: what the run costs, not how long it waited
+        for a shared machine's cores."""
+        return self.generated / self.cpu_s if self.cpu_s > 0 else 0.0
 
     @property
     def generated(self) -> int:
@@ -67,6 +84,11 @@ class DecoderRun:
         if self.steps:
             out.update(steps=self.steps, drafted_steps=self.drafted_steps,
                        acceptance_by_stream=[round(a, 4) for a in self.acceptance])
+        if self.cpu_s:
+            out["tok_per_cpu_s"] = round(self.cpu_tps, 2)
+        if len(self.rounds) > 1:
+            out["aggregate_tok_per_s_rounds"] = [round(r, 2) for r in self.rounds]
+            out["tok_per_cpu_s_rounds"] = [round(r, 2) for r in self.cpu_rounds]
         return out
 
 
@@ -122,6 +144,21 @@ class ConcurrencyRow:
         base = self.runs["batchgen"].aggregate_tps
         return self.runs[name].aggregate_tps / base if base else 0.0
 
+    def auto_vs_best(self) -> float:
+        """auto's aggregate tok/s over the best fixed choice's (BatchGenerator, plain engine, mtp)."""
+        best = max(self.runs[n].aggregate_tps for n in ("batchgen", "plain", "mtp"))
+        return self.runs["auto"].aggregate_tps / best if best else 0.0
+
+    def paired(self, name: str, against: Sequence[str], cpu: bool = False) -> Optional[float]:
+        """Median over the rounds of ``name``'s aggregate tok/s (``cpu``: tokens per CPU second) over
+        the best of ``against`` in the same round (runs of one round are minutes apart at most: load
+        that moves between rounds cancels); None with one round."""
+        rounds = [self.runs[n].cpu_rounds if cpu else self.runs[n].rounds for n in (name, *against)]
+        if min(len(r) for r in rounds) < 2:
+            return None
+        ratios = sorted(own / max(other) for own, *other in zip(*rounds) if max(other) > 0)
+        return ratios[(len(ratios) - 1) // 2] if ratios else None
+
     def greedy_identical(self) -> Dict[str, bool]:
         """Per decoder: every stream's tokens equal the plain batched engine's."""
         ref = self.runs["plain"].tokens
@@ -131,13 +168,19 @@ class ConcurrencyRow:
         out = {"concurrency": self.concurrency, "depth": self.depth,
                "decoders": {name: run.to_json() for name, run in self.runs.items()},
                "speedup_mtp": round(self.speedup("mtp"), 3), "speedup_auto": round(self.speedup("auto"), 3),
-               "speedup_plain_engine": round(self.speedup("plain"), 3)}
+               "speedup_plain_engine": round(self.speedup("plain"), 3), "auto_vs_best": round(self.auto_vs_best(), 3)}
+        paired = {"auto_vs_best_paired": self.paired("auto", ("batchgen", "plain", "mtp")),
+                  "plain_vs_batchgen_paired": self.paired("plain", ("batchgen",)),
+                  "auto_vs_best_cpu_paired": self.paired("auto", ("batchgen", "plain", "mtp"), cpu=True),
+                  "plain_vs_batchgen_cpu_paired": self.paired("plain", ("batchgen",), cpu=True)}
+        out.update({k: round(v, 3) for k, v in paired.items() if v is not None})
         if greedy:
             out["greedy_identical_to_plain_engine"] = self.greedy_identical()
         if self.policy is not None:
             costs = {key: self.policy.seconds(*key) for key in sorted(self.policy.timed)}
             out["policy_step_ms"] = {f"B={b},{'draft' if d else 'plain'}": round(1e3 * t, 3)
                                      for (b, d), t in costs.items() if t is not None}
+            out["policy_probes"] = getattr(self.policy, "probes", None)
         return out
 
 
@@ -167,9 +210,10 @@ class ConcurrencyResult:
 def bench_concurrency(
     m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], max_tokens: int = 64,
     depths: Sequence[int] = (1,), sampling: Sampling = Sampling(), seed: int = 0, hidden: str = "post-norm",
-    on_tokens: Optional[Callable[[int], None]] = None,
+    on_tokens: Optional[Callable[[int], None]] = None, rounds: int = 1,
 ) -> ConcurrencyResult:
-    """Stream i of a level takes prompt i mod len(encoded); stream i samples with seed + i."""
+    """Stream i of a level takes prompt i mod len(encoded); stream i samples with seed + i. Each decoder
+    reports its median of ``rounds`` interleaved timed runs."""
     result = ConcurrencyResult(path, sampling, max_tokens, len(encoded))
     for depth in depths:
         for c in concurrency:
@@ -179,16 +223,31 @@ def bench_concurrency(
                 "plain": lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "plain", hidden),
                 "mtp": lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "mtp", hidden),
             }
+            if mx.default_device() == mx.gpu:  # every pass shape of 1 .. c rows, whatever auto's trajectory
+                warm_up(m, depth, c, hidden)
             for run in decoders.values():  # warm-up: compiles every shape the timed runs meet
                 run()
             policy = DraftPolicy()
             engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden, policy)  # warms it up too
             decoders["auto"] = lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden,
                                                      policy)
+            timed = {name: [] for name in decoders}
+            names = list(decoders)
+            for i in range(rounds):  # round i starts at decoder i: none always follows the same one
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    run = decoders[name]
+                    gc.collect()  # the last run's garbage is not collected on this run's time
+                    mx.clear_cache()
+                    c0 = time.process_time()
+                    timed[name].append(run())
+                    timed[name][-1].cpu_s = time.process_time() - c0
+                    if on_tokens:
+                        on_tokens(timed[name][-1].generated + c)
             runs = {}
-            for name, run in decoders.items():
-                runs[name] = run()
-                if on_tokens:
-                    on_tokens(runs[name].generated + c)
+            for name, done in timed.items():
+                ranked = sorted(done, key=lambda r: r.aggregate_tps)
+                runs[name] = ranked[(len(ranked) - 1) // 2]
+                runs[name].rounds = [r.aggregate_tps for r in done]
+                runs[name].cpu_rounds = [r.cpu_tps for r in done]
             result.rows.append(ConcurrencyRow(c, depth, runs, policy))
     return result
