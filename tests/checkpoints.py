@@ -229,6 +229,37 @@ NEXT = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64
             intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
 
 
+def _write_release(folder: Path, backbone: Dict[str, np.ndarray], head: Dict[str, np.ndarray], config: dict,
+                   shards: int, dtype: str, keep_f32: Callable[[str], bool] = lambda key: False) -> Dict[str, np.ndarray]:
+    """Write a raw release as the Hub has it: the backbone spread over the first shards, the head alone in the
+    last (with everything in one shard when ``shards`` is 1), an index, the config and a tokenizer. Returns every
+    tensor as stored (after the cast to ``dtype``), so references compare against what a converter reads."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    spread = max(shards - 1, 1)
+    chunks = [sorted(backbone)[i::spread] for i in range(spread)]
+    if shards == 1:
+        chunks[0] += sorted(head)
+    else:
+        chunks.append(sorted(head))
+    everything = dict(backbone, **head)
+    weight_map = {}
+    for name, chunk in zip(names, chunks):
+        stored = {k: torch.from_numpy(np.ascontiguousarray(everything[k])).to(
+            torch.float32 if keep_f32(k) else getattr(torch, dtype)) for k in chunk}
+        save_file(stored, str(folder / name), metadata={"format": "pt"})
+        everything.update({k: t.to(torch.float32).numpy() for k, t in stored.items()})
+        weight_map.update({k: name for k in chunk})
+    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    write_tokenizer(folder, MarkovLanguage().words, VOCAB)
+    return everything
+
+
 def build_next(folder: Path, *, mtp_layers: int = 1, shards: int = 2, dtype: str = "bfloat16", seed: int = 0,
                rope: str = "published", **text) -> Built:
     """A raw Qwen3-Next checkpoint in the published layout: flat ``model.*`` keys, per-expert experts, fused
@@ -264,28 +295,7 @@ def build_next(folder: Path, *, mtp_layers: int = 1, shards: int = 2, dtype: str
                 rng.standard_normal(slot.shape) / max(slot.shape[-1], 1) ** 0.5
             mlx_head[name] = mx.array(w.astype(np.float32))
         head = {k: np.array(v) for k, v in to_raw(mlx_head, text_only=True).items()}
-    folder.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
-    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    backbone = sorted(raw)
-    chunks = [backbone[i::max(shards - 1, 1)] for i in range(max(shards - 1, 1))]
-    if shards == 1:
-        chunks = [backbone + sorted(head)]
-    else:
-        chunks.append(sorted(head))
-    weight_map = {}
-    everything = dict(raw, **head)
-    for name, chunk in zip(names, chunks):
-        stored = {k: torch.from_numpy(np.ascontiguousarray(everything[k])).to(getattr(torch, dtype)) for k in chunk}
-        save_file(stored, str(folder / name), metadata={"format": "pt"})
-        everything.update({k: t.to(torch.float32).numpy() for k, t in stored.items()})  # the values as stored
-        weight_map.update({k: name for k in chunk})
-    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    write_tokenizer(folder, MarkovLanguage().words, VOCAB)
+    everything = _write_release(folder, raw, head, config, shards, dtype)
     return Built(folder, model, everything)
 
 
@@ -405,23 +415,6 @@ def build_glm(folder: Path, model_type: str, *, mtp: bool = True, dtype: str = "
     config["num_nextn_predict_layers"] = 1 if mtp else 0
     config["dtype"] = dtype  # the stored dtype, as the releases say it
     head = glm_nextn_layer(raw, config["num_hidden_layers"], VARIANTS[model_type].head_own_vocab, seed + 7) if mtp else {}
-    folder.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
-    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    chunks = [sorted(raw)] if shards == 1 else [sorted(raw)[i::shards - 1] for i in range(shards - 1)]
-    chunks[-1 if shards == 1 else len(chunks):] = [chunks[-1] + sorted(head)] if shards == 1 else [sorted(head)]
-    everything = dict(raw, **head)
-    weight_map = {}
-    for name, chunk in zip(names, chunks):
-        stored = {k: torch.from_numpy(np.ascontiguousarray(everything[k])).to(
-            torch.float32 if k.endswith("e_score_correction_bias") else getattr(torch, dtype)) for k in chunk}
-        save_file(stored, str(folder / name), metadata={"format": "pt"})
-        everything.update({k: t.to(torch.float32).numpy() for k, t in stored.items()})
-        weight_map.update({k: name for k in chunk})
-    index = {"metadata": {"total_size": 0}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False}))
-    write_tokenizer(folder, MarkovLanguage().words, VOCAB)
+    everything = _write_release(folder, raw, head, config, shards, dtype,
+                                keep_f32=lambda k: k.endswith("e_score_correction_bias"))
     return Built(folder, model, everything)
