@@ -922,18 +922,12 @@ def mlx_vlm_check(args) -> None:
     from mlx_vlm.speculative.drafters import load_drafter
     from mlx_vlm.utils import load_model
 
+    sys.path.insert(0, str(base.REPO / "interop/probes"))
+    from _common import generated_ids  # the probes' reading of a generate_step stream
+
     src = Path(args.folder)
     held = np.load(Path(args.stage) / "heldout.npy")
     prompts = greedy_prompts(held, 0, args.prompt, args.per_file)
-
-    def tokens_of(gen, n):
-        out = []
-        for tok, _ in gen:
-            v = tok.tolist() if hasattr(tok, "tolist") else tok
-            out.extend(int(t) for t in (v if isinstance(v, list) else [v]))
-            if len(out) >= n:
-                break
-        return out[:n]
 
     with tempfile.TemporaryDirectory() as tmp:
         f32 = Path(tmp) / "f32"
@@ -952,10 +946,10 @@ def mlx_vlm_check(args) -> None:
         t0 = time.time()
         for p in prompts:
             ids = mx.array(p[None].astype(np.int32))
-            plain = tokens_of(generate_step(ids, model, None, None, max_tokens=args.generate, temperature=0.0),
-                              args.generate)
-            spec = tokens_of(generate_step(ids, model, None, None, max_tokens=args.generate, temperature=0.0,
-                                           draft_model=drafter, draft_kind=kind), args.generate)
+            plain, _ = generated_ids(generate_step(ids, model, None, None, max_tokens=args.generate,
+                                                   temperature=0.0), args.generate)
+            spec, _ = generated_ids(generate_step(ids, model, None, None, max_tokens=args.generate, temperature=0.0,
+                                                  draft_model=drafter, draft_kind=kind), args.generate)
             same &= plain == spec
             d, a = sum(drafter.draft_lens or []), sum(drafter.accept_lens or [])
             proposed, accepted = proposed + d, accepted + a

@@ -31,6 +31,21 @@ _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if (str(Path(p).resolve()) if p else str(Path.cwd())) != _HERE]
 
 
+def generated_ids(steps, max_tokens: int):
+    """The first ``max_tokens`` token ids a ``generate_step``-style iterator yields, and the first step's
+    log-probabilities. A step yields one token, or several (an MTP step's accepted run), as an int, a list or
+    an array; ``None`` entries are skipped."""
+    out, first = [], None
+    for i, (tok, logprobs) in enumerate(steps):
+        if i == 0:
+            first = logprobs
+        value = tok.tolist() if hasattr(tok, "tolist") else tok
+        out.extend(int(t) for t in (value if isinstance(value, (list, tuple)) else [value]) if t is not None)
+        if len(out) >= max_tokens:
+            break
+    return out[:max_tokens], first
+
+
 def empty_result(runtime: str) -> dict:
     return {"runtime": runtime, "version": None, "backbone_tokens": None, "backbone_logprobs": None, "head_found": False,
             "mtp_tokens": None, "proposed": None, "accepted": None, "error": None, "detail": {}}

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import file_head_norm_mean, head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
+from _common import file_head_norm_mean, generated_ids, head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
 
 DRAFTER = None
 if "--drafter" in sys.argv:
@@ -33,23 +33,6 @@ def quantized_modules(module) -> dict:
     return out
 
 
-def _tokens(gen, max_tokens):
-    out, first = [], None
-    for i, (tok, logprobs) in enumerate(gen):
-        if i == 0 and logprobs is not None:
-            first = logprobs
-        if isinstance(tok, (list, tuple)):
-            out.extend(int(t) for t in tok if t is not None)
-        elif hasattr(tok, "tolist"):
-            v = tok.tolist()
-            out.extend(int(t) for t in (v if isinstance(v, list) else [v]))
-        else:
-            out.append(int(tok))
-        if len(out) >= max_tokens:
-            break
-    return out[:max_tokens], first
-
-
 def body(folder, prompts, max_tokens, result):
     result["version"] = version_of("mlx-vlm")
     import mlx.core as mx
@@ -65,7 +48,7 @@ def body(folder, prompts, max_tokens, result):
     outs, lps = [], []
     for p in prompts:
         ids = mx.array([p], dtype=mx.int32)
-        toks, first = _tokens(generate_step(ids, model, None, None, max_tokens=max_tokens, temperature=0.0),
+        toks, first = generated_ids(generate_step(ids, model, None, None, max_tokens=max_tokens, temperature=0.0),
                               max_tokens)
         outs.append(toks)
         lps.append(top_logprobs(first) if first is not None else None)
@@ -84,7 +67,7 @@ def body(folder, prompts, max_tokens, result):
     mtp_out, proposed, accepted = [], 0, 0
     for p in prompts:
         ids = mx.array([p], dtype=mx.int32)
-        toks, _ = _tokens(generate_step(ids, model, None, None, max_tokens=max_tokens, temperature=0.0,
+        toks, _ = generated_ids(generate_step(ids, model, None, None, max_tokens=max_tokens, temperature=0.0,
                                         draft_model=drafter, draft_kind=kind), max_tokens)
         mtp_out.append(toks)
         proposed += sum(getattr(drafter, "draft_lens", []) or [])

@@ -14,18 +14,8 @@ import sys
 import traceback
 from pathlib import Path
 
-HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != HERE]  # probes/mlx_vlm.py would shadow mlx_vlm
-
-
-def _tokens(gen, max_tokens):
-    out = []
-    for tok, _ in gen:
-        v = tok.tolist() if hasattr(tok, "tolist") else tok
-        out.extend(int(t) for t in (v if isinstance(v, list) else [v]))
-        if len(out) >= max_tokens:
-            break
-    return out[:max_tokens]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import generated_ids  # noqa: E402  (and _common drops this folder from sys.path)
 
 
 def ours_name(split_key: str) -> str:
@@ -63,8 +53,8 @@ def main(out: Path, raw: Path, prompts, max_tokens: int) -> dict:
                           "differ": differ}
 
     model = load_model(out)
-    result["backbone_tokens"] = [_tokens(generate_step(mx.array([p], dtype=mx.int32), model, None, None,
-                                                       max_tokens=max_tokens, temperature=0.0), max_tokens)
+    result["backbone_tokens"] = [generated_ids(generate_step(mx.array([p], dtype=mx.int32), model, None, None,
+                                                       max_tokens=max_tokens, temperature=0.0), max_tokens)[0]
                                  for p in prompts]
     try:
         drafter, kind = load_drafter(str(out / "mtp"), kind="mtp")
@@ -75,8 +65,8 @@ def main(out: Path, raw: Path, prompts, max_tokens: int) -> dict:
     result["head_found"], result["drafter_class"] = True, type(drafter).__name__
     mtp, proposed, accepted = [], 0, 0
     for p in prompts:
-        mtp.append(_tokens(generate_step(mx.array([p], dtype=mx.int32), model, None, None, max_tokens=max_tokens,
-                                         temperature=0.0, draft_model=drafter, draft_kind=kind), max_tokens))
+        mtp.append(generated_ids(generate_step(mx.array([p], dtype=mx.int32), model, None, None, max_tokens=max_tokens,
+                                         temperature=0.0, draft_model=drafter, draft_kind=kind), max_tokens)[0])
         proposed += sum(getattr(drafter, "draft_lens", []) or [])
         accepted += sum(getattr(drafter, "accept_lens", []) or [])
     result.update(mtp_tokens=mtp, proposed=proposed, accepted=accepted)
