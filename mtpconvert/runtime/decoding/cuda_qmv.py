@@ -66,15 +66,19 @@ __device__ __forceinline__ float mtpc_lo(uint32_t u) { return __uint_as_float(u 
 __device__ __forceinline__ float mtpc_hi(uint32_t u) { return __uint_as_float(u & 0xFFFF0000u); }
 """
 
-MMA_SOURCE = r"""
-  // template: M (rows of x, 1..8), GS (group size), KS (warps splitting K), PRMT (nibble pairing)
+# Both kernels: w [N, K/8] packed 4-bit, x [M, K], one group of GS columns per scale/bias.
+PROLOGUE = r"""
   const int N = w_shape[0];
   const int K = x_shape[1];
   const int KW = K >> 3;
   const int KG = K / GS;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
+"""
+
+MMA_SOURCE = r"""
+  // template: M (rows of x, 1..8), GS (group size), KS (warps splitting K), PRMT (nibble pairing)
+""" + PROLOGUE + r"""  const int g = lane >> 2;
   const int t = lane & 3;
   const int row0 = blockIdx.x * 16 + g;
   const int row1 = row0 + 8;
@@ -162,13 +166,7 @@ MMA_SOURCE = r"""
 
 SIMT_SOURCE = r"""
   // template: M (rows of x), GS (group size), R (output rows per warp), WPB (warps per block)
-  const int N = w_shape[0];
-  const int K = x_shape[1];
-  const int KW = K >> 3;
-  const int KG = K / GS;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int rbase = (blockIdx.x * WPB + warp) * R;
+""" + PROLOGUE + r"""  const int rbase = (blockIdx.x * WPB + warp) * R;
   const __nv_bfloat16* sc = reinterpret_cast<const __nv_bfloat16*>(scales);
   const __nv_bfloat16* bi = reinterpret_cast<const __nv_bfloat16*>(biases);
   float acc[R][M];
