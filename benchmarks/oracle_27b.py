@@ -96,15 +96,21 @@ def build(args):
     return m, ids
 
 
+def _timed(label: str, run) -> dict:
+    """``run()``'s result as JSON, labelled with the kernel it ran on and its wall time."""
+    t0 = time.perf_counter()
+    out = run().to_json()
+    out["kernel"] = label
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
 def run_single(args, m, ids, label) -> dict:
     from mtpconvert.runtime.measure.bench import bench
 
-    t0 = time.perf_counter()
-    res = bench(Path(f"synthetic:{args.model}"), max_tokens=args.max_tokens, depths=args.depth,
-                hiddens=("post-norm",), model=m, prompt_ids=ids, oracle=args.oracle)
-    out = res.to_json()
-    out["kernel"] = label
-    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out = _timed(label, lambda: bench(Path(f"synthetic:{args.model}"), max_tokens=args.max_tokens,
+                                      depths=args.depth, hiddens=("post-norm",), model=m, prompt_ids=ids,
+                                      oracle=args.oracle))
     for r in out["rows"]:
         c = r["costs"]
         log(f"[{label}] k={r['depth']} oracle P={r['oracle_acceptance']}: acceptance {r['mtp']['acceptance']:.3f} "
@@ -154,12 +160,9 @@ def stage_batched(args, m, ids) -> dict:
             if not cuda_qmv.available():
                 continue
             out["calibration"] = cuda_qmv.enable(m.model, m.head, rows=list(range(2, 9)))
-        t0 = time.perf_counter()
-        res = bench_concurrency_oracle(m, f"synthetic:{args.model}", ids, args.concurrency, args.oracle,
-                                       max_tokens=args.max_tokens, depths=args.depth)
-        j = res.to_json()
-        j["kernel"] = label
-        j["seconds"] = round(time.perf_counter() - t0, 1)
+        j = _timed(label, lambda: bench_concurrency_oracle(m, f"synthetic:{args.model}", ids, args.concurrency,
+                                                           args.oracle, max_tokens=args.max_tokens,
+                                                           depths=args.depth))
         for r in j["rows"]:
             d = r["decoders"]
             log(f"[{label}] k={r['depth']} C={r['concurrency']} P={r['oracle_acceptance']}: BatchGenerator "
