@@ -36,6 +36,17 @@ SAME_TABLE = {"Qwen3-Next-80B-A3B-Thinking": "Qwen3-Next-80B-A3B-Instruct"}
 LAYER = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat
 OUT_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")
 LM_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
+# A family release's recipe matrix: bits and dtype, and the short dtype its names use.
+MATRIX = ((4, "bfloat16"), (4, "float16"), (6, "bfloat16"), (8, "bfloat16"))
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def _matrix_recipes(releases) -> list:
+    """The recipes of ``releases``, asserted to be exactly MATRIX for each."""
+    recipes = [r for r in list_recipes(ROOT / "recipes") if r.release_name in releases]
+    assert sorted((r.release_name, r.bits, r.dtype) for r in recipes) == sorted(
+        (n, b, d) for n in releases for b, d in MATRIX)
+    return recipes
 
 
 def release_checkpoint(name: str):
@@ -182,7 +193,7 @@ def test_the_docs_state_each_recipes_computed_disk_and_memory():
     disk_needed_gb and memory_needed_gb."""
     doc = (ROOT / "docs" / "hub.md").read_text()
     for r in list_recipes(ROOT / "recipes"):
-        dtype = {"bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+        dtype = SHORT_DTYPE[r.dtype]
         row = re.search(rf"^\| {re.escape(r.release_name)} {r.bits}-bit [^|]*\b{dtype}\b[^|]*\|.*$", doc, re.M)
         assert row, r.path.name
         stated = [float(x) for x in re.findall(r"\*\*([\d.]+)\*\*", row.group(0))]
@@ -430,11 +441,8 @@ def test_qwen3_next_recipes(monkeypatch):
     one raw shard (two would not fit); lm_head is the release's 151,936 x 2048, not Qwen3.5's vocabulary; `recipe list`
     and the publish workflow's matrix list them."""
     monkeypatch.chdir(ROOT)
-    recipes = [r for r in list_recipes(ROOT / "recipes") if r.release_name in NEXT]
-    assert sorted((r.release_name, r.bits, r.dtype) for r in recipes) == sorted(
-        (n, b, d) for n in NEXT for b, d in ((4, "bfloat16"), (4, "float16"), (6, "bfloat16"), (8, "bfloat16")))
-    for r in recipes:
-        dtype = {"bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+    for r in _matrix_recipes(NEXT):
+        dtype = SHORT_DTYPE[r.dtype]
         assert r.upload_repo == f"mtpconvert/{r.release_name}-{r.bits}bit-{dtype}-mtp" and r.mtp == "keep"
         assert r.path.stem == f"{r.release_name}-{r.bits}bit-{dtype}"
         assert r.lm_head_gb == pytest.approx(r._gb_at_bits(151936 * 2048 / 1e9)) and r.release.vocab != VOCAB
@@ -453,11 +461,8 @@ def test_glm_recipes(monkeypatch):
     kept bf16, all in mtp.safetensors; eh_proj is its fc (float under ``match`` too, as are the routers). lm_head is
     the release's vocabulary; `recipe list` and the publish workflow's matrix list them."""
     monkeypatch.chdir(ROOT)
-    recipes = [r for r in list_recipes(ROOT / "recipes") if r.release_name in GLM]
-    assert sorted((r.release_name, r.bits, r.dtype) for r in recipes) == sorted(
-        (n, b, d) for n in GLM for b, d in ((4, "bfloat16"), (4, "float16"), (6, "bfloat16"), (8, "bfloat16")))
-    for r in recipes:
-        dtype = {"bfloat16": "bf16", "float16": "fp16"}[r.dtype]
+    for r in _matrix_recipes(GLM):
+        dtype = SHORT_DTYPE[r.dtype]
         rel, name = r.release, r.path.name
         assert r.repo == f"zai-org/{r.release_name}" and r.path.stem == f"{r.release_name}-{r.bits}bit-{dtype}"
         assert r.upload_repo == f"mtpconvert/{r.release_name}-{r.bits}bit-{dtype}-mtp" and r.mtp == "keep"
