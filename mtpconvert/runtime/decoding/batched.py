@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from .draft_policy import DraftPolicy
 from .load import MTPModel
+from .mtp import MTPHead
 from .rowcache import RowKVCache, make_row_cache, undo_rows
 from .rows import StepLog, Stream, choose, decide, draw_key, emit, processed, processed_positions, simple
 from .sampling import categorical
@@ -64,6 +65,10 @@ class BatchedMTP:
     """The batch: its streams, one set of row caches, and ``step``."""
 
     def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm", draft_hook=None):
+        if not isinstance(m.head, MTPHead):
+            # the row caches (rowcache.py) hold full attention and GatedDeltaNet state only
+            raise ValueError(f"batched MTP runs the Qwen head design; this {m.config.get('model_type')} model's "
+                             f"{type(m.head).__name__} decodes one stream at a time")
         prepare_speculative(m, depth, hidden)
         self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
         # draft_hook(stream id, output position, proposed) -> drafted: replaces greedy drafts (measure/oracle.py)
