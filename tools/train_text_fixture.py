@@ -433,38 +433,258 @@ def torch_state(lm, head, f32_suffixes=F32_SUFFIXES) -> dict:
             .contiguous() for k, v in sorted(sd.items())}
 
 
-def train(args) -> None:
-    if args.variant == "glm5":
-        return glm_module().train_glm(args)
+# ---------------------------------------------------------------------------------------------
+# the training scaffold both trainers run (this file's train and train_text_fixture_glm.train_glm)
+# ---------------------------------------------------------------------------------------------
+def open_run(args):
+    """(output folder, device, numpy RNG, train ids, held-out ids) of a run, torch seeded with --seed."""
     import torch
-    from safetensors.torch import save_file
 
     stage, out = Path(args.stage), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed)  # draws the training windows
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     train_ids = torch.from_numpy(np.load(stage / "train.npy").astype(np.int64)).to(dev)
     held_ids = torch.from_numpy(np.load(stage / "heldout.npy").astype(np.int64)).to(dev)
+    return out, dev, rng, train_ids, held_ids
+
+
+def final_norm_gain(spread: float, size: int, generator):
+    """Per-channel gains log-uniform in [1/spread, spread], the final norms' start (trainable).
+
+    A tiny model left alone learns a nearly uniform final-norm gain, which makes the pre-norm and
+    post-norm states equal up to a scalar that the head's input norm removes; real checkpoints' final
+    norms are far from uniform, and so are these, so feeding the head the wrong state shows.
+    """
+    import torch
+
+    return spread ** (2 * torch.rand(size, generator=generator) - 1)
+
+
+def param_count(lm, head) -> int:
+    return sum(p.numel() for p in lm.parameters()) + sum(p.numel() for p in head.parameters())
+
+
+def gpu_name(dev):
+    import torch
+
+    return torch.cuda.get_device_name() if dev.type == "cuda" else None
+
+
+def adamw(lm, head, args, dev, no_decay_suffixes=()):
+    """AdamW over the backbone's and the head's parameters: matrices with --weight-decay (first group), vectors
+    and the parameters named ``*no_decay_suffixes`` without."""
+    import torch
+
+    decay, no_decay = [], []
+    for mod in (lm, head):
+        for name, p in mod.named_parameters():
+            (no_decay if p.ndim < 2 or name.endswith(no_decay_suffixes) else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
+
+
+def window_sampler(ids, rng, seq: int, batch: int):
+    """A function that draws ``batch`` windows of ``seq`` tokens of ``ids`` at random starts from ``rng``."""
+    import torch
+
+    offsets = torch.arange(seq, device=ids.device)
+
+    def draw():
+        starts = torch.from_numpy(rng.integers(0, ids.numel() - seq, size=batch)).to(ids.device)
+        return ids[starts[:, None] + offsets]
+
+    return draw
+
+
+def heldout_evaluator(lm, head, held_ids, args, router_logits=None, aux_coef=0.0):
+    """A function that returns forward_losses' losses and stats, averaged over the first --eval-batches batches
+    of --eval-batch consecutive held-out windows of --seq tokens (the same windows at every call)."""
+    import torch
+
+    seq, size = args.seq, args.eval_batch
+    offsets = torch.arange(seq, device=held_ids.device)
+    starts = np.arange(0, held_ids.numel() - seq, seq)[: args.eval_batches * size]
+
+    @torch.no_grad()
+    def evaluate():
+        lm.eval(), head.eval()
+        tot = {"main": 0.0, "mtp": 0.0, "main_acc": 0.0, "mtp_acc": 0.0, "agree": 0.0}
+        n = 0
+        for i in range(0, len(starts), size):
+            s = torch.from_numpy(starts[i: i + size]).to(held_ids.device)
+            _, main, mtp, _, st = forward_losses(lm, head, held_ids[s[:, None] + offsets], router_logits, aux_coef)
+            for k, v in (("main", main), ("mtp", mtp), *st.items()):
+                tot[k] += float(v)
+            n += 1
+        lm.train(), head.train()
+        return {k: round(v / max(n, 1), 4) for k, v in tot.items()}
+
+    return evaluate
+
+
+def learning_rate(args, step: int, total: int) -> float:
+    """Linear warm-up over min(--warmup, total / 10) steps, then a cosine from --lr down to --min-lr-frac of it."""
+    warm = max(1, min(args.warmup, total // 10))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def apply_gradients(opt, lm, head, loss, lr: float, clip: float):
+    """One optimiser step on ``loss`` at learning rate ``lr``, the gradients clipped to norm ``clip``; returns
+    their norm before clipping."""
+    import torch
+
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(lm.parameters()) + list(head.parameters()), clip)
+    opt.step()
+    return norm
+
+
+def plan_steps(one_step, args, dev, started: float):
+    """(first step, total steps) of a run: 0 and --steps, or with --steps 0 as many as fit in --time-budget
+    seconds from ``started``, timed on --calibration-steps steps of one_step(step, total) run here."""
+    import torch
+
+    if args.steps:
+        return 0, args.steps
+    calib = args.calibration_steps
+    for step in range(calib):
+        one_step(step, 10 ** 9)  # inside the learning rate's warm-up whatever the total turns out to be
+        if step == 4:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t_start = time.time()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    per_step = (time.time() - t_start) / (calib - 5)
+    total = max(calib + 1, int((args.time_budget - (time.time() - started)) / (per_step * 1.08)) + calib)
+    print(json.dumps({"calibrated_step_s": round(per_step, 4), "steps": total}), flush=True)
+    return calib, total
+
+
+def log_points(args, total: int):
+    """(the steps that save a checkpoint, the steps between log lines) of a run of ``total`` steps."""
+    saves = sorted({max(1, int(total * f)) for f in args.save_at} | {total})
+    return saves, max(1, total // args.logs)
+
+
+def is_log_step(step: int, total: int, saves, log_every: int) -> bool:
+    return step % log_every == 0 or step == total or step in saves
+
+
+def log_record(rec: dict, step: int, args, saves, log_every: int, evaluate, history: list) -> None:
+    """Print a log line and keep it in ``history``, with held-out numbers every --eval-every lines and at saves."""
+    if step in saves or step % (log_every * args.eval_every) == 0:
+        rec["heldout"] = evaluate()
+    history.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
+def step_record(step: int, lr: float, loss, main, mtp, stats: dict, grad_norm, seconds: float, aux=None,
+                max_load_ratio=None) -> dict:
+    """A training log line, rounded; ``aux`` (router balancing loss) and ``max_load_ratio`` where given."""
+    rec = {"step": step, "lr": round(lr, 6), "loss": round(float(loss), 4), "main": round(float(main), 4),
+           "mtp": round(float(mtp), 4)}
+    if aux is not None:
+        rec["aux"] = round(float(aux), 4)
+    rec.update({"mtp_acc": round(float(stats["mtp_acc"]), 4), "grad_norm": round(float(grad_norm), 3)})
+    if max_load_ratio is not None:
+        rec["max_load_ratio"] = round(float(max_load_ratio), 3)
+    rec["seconds"] = round(seconds, 1)
+    return rec
+
+
+def save_checkpoint(state: dict, out: Path, step: int, saved: list) -> None:
+    """Write ``state`` to OUT/step-NNNNNN.safetensors and add the file's name to ``saved``."""
+    from safetensors.torch import save_file
+
+    name = f"step-{step:06d}.safetensors"
+    save_file(state, str(out / name), metadata={"format": "pt"})
+    saved.append(name)
+
+
+def run_args(args) -> dict:
+    """The parsed options as log.json records them."""
+    return {k: v for k, v in vars(args).items() if k not in ("func",)}
+
+
+def print_run_header(dev, n_params: int, **extra) -> None:
+    import torch
+
+    print(json.dumps({"device": str(dev), "torch": torch.__version__, "params": n_params, **extra,
+                      "gpu": gpu_name(dev)}), flush=True)
+
+
+def finish_run(out: Path, args, dev, n_params: int, total: int, started: float, saved: list, history: list,
+               **extra) -> None:
+    """Write OUT/log.json (``extra`` after the history) and print the summary line."""
+    import torch
+    import transformers
+
+    log = {
+        "variant": args.variant, "device": str(dev), "gpu": gpu_name(dev),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "params": n_params, "steps": total, "tokens_seen": total * args.batch * args.seq,
+        "wall_s": round(time.time() - started, 1), "checkpoints": saved, "history": history, **extra,
+        "args": run_args(args),
+    }
+    (out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
+    print(f"done: {total} steps in {log['wall_s']} s; {saved}", flush=True)
+
+
+def add_optimisation_args(p, seq: int = 512, seq_help: str = None) -> None:
+    """train's options of the step count, batch and optimiser (the scaffold's), in the order log.json keeps."""
+    p.add_argument("--steps", type=int, default=0, help="0: as many as --time-budget allows (calibrated)")
+    p.add_argument("--time-budget", type=float, default=300.0, help="seconds, when --steps is 0")
+    p.add_argument("--calibration-steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=seq, help=seq_help)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-frac", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_logging_args(p) -> None:
+    """train's options of checkpoints, log lines and held-out evaluation (the scaffold's)."""
+    p.add_argument("--save-at", type=float, nargs="*", default=[0.5])
+    p.add_argument("--logs", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N logs")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-batch", type=int, default=16)
+
+
+def train(args) -> None:
+    if args.variant == "glm5":
+        return glm_module().train_glm(args)
+    import torch
+
+    out, dev, rng, train_ids, held_ids = open_run(args)
     lm, head, config = build_torch(args.variant, moe_shape(args))
     if getattr(args, "experts_implementation", None) and is_moe(config):
         lm.set_experts_implementation(args.experts_implementation)  # the head shares lm's config
     if args.final_norm_spread > 1:
-        # Per-channel gains of the final norms, log-uniform in [1/spread, spread] at init (trainable):
-        # a tiny model left alone learns a nearly uniform final-norm gain, which makes the pre-norm
-        # and post-norm states equal up to a scalar that pre_fc_norm_hidden removes; real checkpoints'
-        # final norms are far from uniform, and so is this one, so feeding the head the wrong state shows.
         gen = torch.Generator().manual_seed(args.seed + 1)
-        gain = args.final_norm_spread ** (2 * torch.rand(config.hidden_size, generator=gen) - 1)
+        gain = final_norm_gain(args.final_norm_spread, config.hidden_size, gen)
         with torch.no_grad():
             lm.model.norm.weight.copy_(gain - 1)  # zero-centred: the norm multiplies by 1 + weight
             head.norm.weight.copy_(gain - 1)  # mtp.norm feeds the same lm_head
     lm.to(dev).train()
     head.to(dev).train()
-    n_params = sum(p.numel() for p in lm.parameters()) + sum(p.numel() for p in head.parameters())
+    n_params = param_count(lm, head)
 
     router_logits = []
     if is_moe(config):
@@ -476,100 +696,29 @@ def train(args) -> None:
     aux_coef = getattr(config, "router_aux_loss_coef", 0.0) if is_moe(config) else 0.0
     f32_suffixes = () if args.variant == "next" else F32_SUFFIXES
 
-    decay, no_decay = [], []
-    for mod in (lm, head):
-        for name, p in mod.named_parameters():
-            (no_decay if p.ndim < 2 or name.endswith(("A_log", "dt_bias")) else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
-    offsets = torch.arange(args.seq, device=dev)
-
-    def batch():
-        starts = torch.from_numpy(rng.integers(0, train_ids.numel() - args.seq, size=args.batch)).to(dev)
-        return train_ids[starts[:, None] + offsets]
-
-    eval_starts = np.arange(0, held_ids.numel() - args.seq, args.seq)[: args.eval_batches * args.eval_batch]
-
-    @torch.no_grad()
-    def evaluate():
-        lm.eval(), head.eval()
-        tot = {"main": 0.0, "mtp": 0.0, "main_acc": 0.0, "mtp_acc": 0.0, "agree": 0.0}
-        n = 0
-        for i in range(0, len(eval_starts), args.eval_batch):
-            s = torch.from_numpy(eval_starts[i: i + args.eval_batch]).to(dev)
-            _, main, mtp, _, st = forward_losses(lm, head, held_ids[s[:, None] + offsets], router_logits, aux_coef)
-            for k, v in (("main", main), ("mtp", mtp), *st.items()):
-                tot[k] += float(v)
-            n += 1
-        lm.train(), head.train()
-        return {k: round(v / max(n, 1), 4) for k, v in tot.items()}
-
-    def lr_at(step, total):
-        warm = max(1, min(args.warmup, total // 10))
-        if step < warm:
-            return args.lr * (step + 1) / warm
-        frac = (step - warm) / max(1, total - warm)
-        return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+    opt = adamw(lm, head, args, dev, no_decay_suffixes=("A_log", "dt_bias"))
+    batch = window_sampler(train_ids, rng, args.seq, args.batch)
+    evaluate = heldout_evaluator(lm, head, held_ids, args, router_logits, aux_coef)
 
     def one_step(step, total):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total)
         loss, main, mtp, aux, st = forward_losses(lm, head, batch(), router_logits, aux_coef)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(list(lm.parameters()) + list(head.parameters()), args.clip)
-        opt.step()
+        gn = apply_gradients(opt, lm, head, loss, learning_rate(args, step, total), args.clip)
         return loss.detach(), main.detach(), mtp.detach(), aux.detach(), st, gn
 
-    print(json.dumps({"device": str(dev), "torch": torch.__version__, "params": n_params,
-                      "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None}), flush=True)
-    history, t0 = [], time.time()
-    total = args.steps
-    step = 0
-    if not total:  # calibrate: time the first steps, then fit the run into the budget
-        calib = args.calibration_steps
-        for step in range(calib):
-            one_step(step, 10 ** 9)  # inside lr_at's warm-up whatever the total turns out to be
-            if step == 4:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-                t_start = time.time()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        per_step = (time.time() - t_start) / (calib - 5)
-        total = max(calib + 1, int((args.time_budget - (time.time() - t0)) / (per_step * 1.08)) + calib)
-        step = calib
-        print(json.dumps({"calibrated_step_s": round(per_step, 4), "steps": total}), flush=True)
-    saves = sorted({max(1, int(total * f)) for f in args.save_at} | {total})
-    log_every = max(1, total // args.logs)
-    saved = []
+    print_run_header(dev, n_params)
+    history, saved, t0 = [], [], time.time()
+    step, total = plan_steps(one_step, args, dev, t0)
+    saves, log_every = log_points(args, total)
     while step < total:
         loss, main, mtp, aux, st, gn = one_step(step, total)
         step += 1
-        if step % log_every == 0 or step == total or step in saves:
-            rec = {"step": step, "lr": round(lr_at(step - 1, total), 6), "loss": round(float(loss), 4),
-                   "main": round(float(main), 4), "mtp": round(float(mtp), 4), "aux": round(float(aux), 4),
-                   "mtp_acc": round(float(st["mtp_acc"]), 4), "grad_norm": round(float(gn), 3),
-                   "seconds": round(time.time() - t0, 1)}
-            if step in saves or step % (log_every * args.eval_every) == 0:
-                rec["heldout"] = evaluate()
-            history.append(rec)
-            print(json.dumps(rec), flush=True)
+        if is_log_step(step, total, saves, log_every):
+            rec = step_record(step, learning_rate(args, step - 1, total), loss, main, mtp, st, gn, time.time() - t0,
+                              aux=aux)
+            log_record(rec, step, args, saves, log_every, evaluate, history)
         if step in saves:
-            name = f"step-{step:06d}.safetensors"
-            save_file(torch_state(lm, head, f32_suffixes), str(out / name), metadata={"format": "pt"})
-            saved.append(name)
-    log = {
-        "variant": args.variant, "device": str(dev),
-        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None,
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "params": n_params, "steps": total, "tokens_seen": total * args.batch * args.seq,
-        "wall_s": round(time.time() - t0, 1), "checkpoints": saved, "history": history,
-        "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
-    }
-    (out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
-    print(f"done: {total} steps in {log['wall_s']} s; {saved}", flush=True)
+            save_checkpoint(torch_state(lm, head, f32_suffixes), out, step, saved)
+    finish_run(out, args, dev, n_params, total, t0, saved, history)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,6 +758,103 @@ def load_checkpoint(path: Path) -> dict:
     return load_file(str(path))
 
 
+# what the exports and parity checks of all variants (this file's, _next's, _glm's) share
+def checkpoint_step(name: str) -> int:
+    """The step of a checkpoint file, step-NNNNNN.safetensors."""
+    return int(name.split("-")[1].split(".")[0])
+
+
+def provenance(script: str, commands, manifest: dict, log: dict, ckpt: str) -> dict:
+    """training.json's opening keys: what made the fixture, from which corpus, tokenizer, run and checkpoint."""
+    return {
+        "script": script,
+        "commands": commands or [],
+        "corpus": {"source": "CPython standard library, pure-Python modules (stdlib path of the interpreter)",
+                   "licence": manifest["licence"], "python": manifest["python"],
+                   "train_files": manifest["train_files"], "heldout_files": manifest["heldout_files"],
+                   "train_tokens": manifest["train_tokens"], "heldout_tokens": manifest["heldout_tokens"]},
+        "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab_size": manifest["vocab_size"],
+                      "sha256": manifest["tokenizer_sha256"]},
+        "training": {k: log[k] for k in ("variant", "device", "gpu", "torch", "transformers", "params", "steps",
+                                         "tokens_seen", "wall_s", "args")},
+        "checkpoint": {"file": ckpt, "step": checkpoint_step(ckpt)},
+    }
+
+
+def logged_at(log: dict, step: int):
+    """The run's log line of ``step``, or None where it wrote none."""
+    return next((h for h in reversed(log["history"]) if h["step"] == step), None)
+
+
+def write_tokenizer_and_generation(out: Path, stage: Path) -> None:
+    """A fixture folder's generation_config.json (greedy, <|im_end|> ends) and the stage's tokenizer files."""
+    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 2}, indent=2) + "\n")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((stage / f).read_bytes())
+
+
+def write_shards(out: Path, state: dict, weight_map: dict, shards) -> int:
+    """OUT's model*.safetensors* replaced by ``state`` split as ``weight_map`` says (key -> one of ``shards``),
+    and its index; returns the tensors' bytes."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    for shard in shards:
+        save_file({k: state[k] for k, s in weight_map.items() if s == shard}, str(out / shard),
+                  metadata={"format": "pt"})
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def readme_method(record: dict, script_note: str, command: str, hidden_args=("device",)) -> str:
+    """A fixture README's "How it was made" section: ``script_note`` names the script, then the commands run, the
+    ``train`` run's options as ``command train ...`` (without ``hidden_args``) and where it ran."""
+    tr = record["training"]
+    opts = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                    for k, v in tr["args"].items() if v is not None and k not in hidden_args)
+    where = f"{tr['gpu']} (torch {tr['torch']}, transformers {tr['transformers']})" if tr["gpu"] else \
+        f"the CPU (torch {tr['torch']}, transformers {tr['transformers']})"
+    commands = "\n".join(record["commands"])
+    return f"""## How it was made
+
+Script: {script_note}. Commands, as run:
+
+```
+{commands}
+```
+
+Arguments of the `train` run exactly as parsed (`training.args` in training.json; `--out` was the
+run folder where it ran):
+
+```
+{command} train {opts}
+```
+
+{tr['steps']} steps, {tr['tokens_seen']} tokens seen, {tr['wall_s']} s on {where};
+exported checkpoint `{record['checkpoint']['file']}`. The loss history and held-out losses are in
+training.json.
+"""
+
+
+def parity_ids(args, vocab_size: int):
+    """(the stage's held-out ids or None, the first --tokens of them, or --tokens random ids without a stage)."""
+    held = np.load(Path(args.stage) / "heldout.npy") if args.stage else None
+    ids = held[: args.tokens] if held is not None else np.random.default_rng(0).integers(3, vocab_size, args.tokens)
+    return held, ids
+
+
+def loading_problems(info: dict, head_prefix: str):
+    """from_pretrained's loading info: (missing, mismatched, unexpected keys but the head's, under ``head_prefix``)."""
+    missing = info.get("missing_keys") or []
+    mismatched = info.get("mismatched_keys") or []
+    unexpected = [k for k in info.get("unexpected_keys") or [] if not k.startswith(head_prefix)]
+    return missing, mismatched, unexpected
+
+
 def export(args) -> None:
     if args.variant == "next":
         return next_module().export_next(args)
@@ -631,26 +877,11 @@ def export(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_all(out / "model.safetensors", stored, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(args.variant, moe_shape(log["args"])), indent=4) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 2}, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (out / f).write_bytes((stage / f).read_bytes())
+    write_tokenizer_and_generation(out, stage)
     manifest = json.loads((stage / "manifest.json").read_text())
-    step = int(ckpt.split("-")[1].split(".")[0])
-    record = {
-        "script": SCRIPT,
-        "commands": args.commands or [],
-        "corpus": {"source": "CPython standard library, pure-Python modules (stdlib path of the interpreter)",
-                   "licence": manifest["licence"], "python": manifest["python"],
-                   "train_files": manifest["train_files"], "heldout_files": manifest["heldout_files"],
-                   "train_tokens": manifest["train_tokens"], "heldout_tokens": manifest["heldout_tokens"]},
-        "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab_size": manifest["vocab_size"],
-                      "sha256": manifest["tokenizer_sha256"]},
-        "training": {k: log[k] for k in ("variant", "device", "gpu", "torch", "transformers", "params", "steps",
-                                         "tokens_seen", "wall_s", "args")},
-        "checkpoint": {"file": ckpt, "step": step},
-        "final": next((h for h in reversed(log["history"]) if h["step"] == step), None),
-        "history": log["history"],
-    }
+    step = checkpoint_step(ckpt)
+    record = {**provenance(SCRIPT, args.commands, manifest, log, ckpt), "final": logged_at(log, step),
+              "history": log["history"]}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     size = (out / "model.safetensors").stat().st_size
     n = sum(v.numel() for v in state.values())
@@ -693,8 +924,7 @@ def parity(args) -> None:
     lm.load_state_dict({k: v for k, v in state.items() if not k.startswith("mtp.")}, strict=True)
     head.load_state_dict(mtp_state, strict=True)
     lm.eval(), head.eval()
-    ids = np.load(Path(args.stage) / "heldout.npy")[: args.tokens].astype(np.int64) if args.stage else \
-        np.random.default_rng(0).integers(3, cfg["text_config"]["vocab_size"], args.tokens)
+    ids = parity_ids(args, cfg["text_config"]["vocab_size"])[1].astype(np.int64)
     tokens = torch.from_numpy(ids)[None]
     with torch.no_grad():
         h = lm.model(input_ids=tokens).last_hidden_state
@@ -736,17 +966,7 @@ def main(argv=None) -> None:
     p.add_argument("--stage", required=True)
     p.add_argument("--variant", choices=sorted(VARIANTS) + ["next", "glm5"], default="dense")
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=0, help="0: as many as --time-budget allows (calibrated)")
-    p.add_argument("--time-budget", type=float, default=300.0, help="seconds, when --steps is 0")
-    p.add_argument("--calibration-steps", type=int, default=30)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr-frac", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_optimisation_args(p)
     p.add_argument("--experts", type=int, default=None, help="MoE: routed experts (default: the variant's)")
     p.add_argument("--top-k", type=int, default=None, help="MoE: experts per token")
     p.add_argument("--expert-size", type=int, default=None, help="MoE: each routed expert's intermediate size")
@@ -756,11 +976,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--experts-implementation", default=None,
                    help="MoE: transformers' experts kernel (grouped_mm, batched_mm, eager; default: its choice)")
-    p.add_argument("--save-at", type=float, nargs="*", default=[0.5])
-    p.add_argument("--logs", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N logs")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--eval-batch", type=int, default=16)
+    add_logging_args(p)
     p.set_defaults(func=train)
 
     p = sub.add_parser("export", help="checkpoint -> raw Hugging Face fixture folder")

@@ -261,8 +261,7 @@ def load_folder(folder: Path) -> dict:
 
 
 def load_into(lm, head, fused: dict) -> None:
-    lm.load_state_dict({k: v.float() for k, v in fused.items() if not k.startswith("mtp.")}, strict=True)
-    head.load_state_dict({k[4:]: v.float() for k, v in fused.items() if k.startswith("mtp.")}, strict=True)
+    base.next_module().load_into(lm, head, fused)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,23 +301,13 @@ def dense_indexers() -> None:
 
 def train_glm(args) -> None:
     import torch
-    from safetensors.torch import save_file
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaTopkRouter
 
-    stage, out = Path(args.stage), Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     set_threads(getattr(args, "threads", None))
     dense_indexers()
     bias_rate = getattr(args, "bias_rate", 1e-3)
     chunk = getattr(args, "chunk_seconds", None)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    train_ids = torch.from_numpy(np.load(stage / "train.npy").astype(np.int64)).to(dev)
-    held_ids = torch.from_numpy(np.load(stage / "heldout.npy").astype(np.int64)).to(dev)
+    out, dev, rng, train_ids, held_ids = base.open_run(args)
     if args.seq > shape_of(args)["index_topk"]:
         raise SystemExit(f"--seq {args.seq} > index_topk: the (untrained) indexer would make attention sparse")
     lm, head, config = build_torch_glm(shape_of(args))
@@ -327,10 +316,8 @@ def train_glm(args) -> None:
     with torch.no_grad():
         gen = torch.Generator().manual_seed(args.seed + 1)
         if args.final_norm_spread > 1:
-            # Per-channel gains of the final norms, log-uniform in [1/spread, spread] at init (trainable), as
-            # for the Qwen text fixtures: with them, feeding the head the pre-norm state shows. GLM's norms are x * w.
-            gain = args.final_norm_spread ** (2 * torch.rand(config.hidden_size, generator=gen) - 1)
-            lm.model.norm.weight.copy_(gain)
+            gain = base.final_norm_gain(args.final_norm_spread, config.hidden_size, gen)
+            lm.model.norm.weight.copy_(gain)  # GLM's norms are x * w
             head.shared_head.norm.weight.copy_(gain)  # feeds the same lm_head
         for mod in list(lm.modules()) + list(head.modules()):
             if isinstance(mod, GlmMoeDsaIndexer):  # never trained: give k_norm non-trivial values
@@ -338,7 +325,7 @@ def train_glm(args) -> None:
                 mod.k_norm.bias.copy_(0.1 * torch.randn(mod.k_norm.bias.shape, generator=gen))
     lm.to(dev).train()
     head.to(dev).train()
-    n_params = sum(p.numel() for p in lm.parameters()) + sum(p.numel() for p in head.parameters())
+    n_params = base.param_count(lm, head)
 
     routers = [m for m in list(lm.modules()) + list(head.modules()) if isinstance(m, GlmMoeDsaTopkRouter)]
     loads = {id(r): torch.zeros(r.num_experts, device=dev) for r in routers}
@@ -350,50 +337,13 @@ def train_glm(args) -> None:
     for r in routers:
         r.register_forward_hook(count)
 
-    decay, no_decay = [], []
-    for mod in (lm, head):
-        for name, p in mod.named_parameters():
-            (no_decay if p.ndim < 2 else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda")
-    offsets = torch.arange(args.seq, device=dev)
-
-    def batch():
-        starts = torch.from_numpy(rng.integers(0, train_ids.numel() - args.seq, size=args.batch)).to(dev)
-        return train_ids[starts[:, None] + offsets]
-
-    eval_starts = np.arange(0, held_ids.numel() - args.seq, args.seq)[: args.eval_batches * args.eval_batch]
-
-    @torch.no_grad()
-    def evaluate():
-        lm.eval(), head.eval()
-        tot = {"main": 0.0, "mtp": 0.0, "main_acc": 0.0, "mtp_acc": 0.0, "agree": 0.0}
-        k = 0
-        for i in range(0, len(eval_starts), args.eval_batch):
-            s = torch.from_numpy(eval_starts[i: i + args.eval_batch]).to(dev)
-            _, main, mtp, _, st = base.forward_losses(lm, head, held_ids[s[:, None] + offsets])
-            for key, v in (("main", main), ("mtp", mtp), *st.items()):
-                tot[key] += float(v)
-            k += 1
-        lm.train(), head.train()
-        return {key: round(v / max(k, 1), 4) for key, v in tot.items()}
-
-    def lr_at(step, total):
-        warm = max(1, min(args.warmup, total // 10))
-        if step < warm:
-            return args.lr * (step + 1) / warm
-        frac = (step - warm) / max(1, total - warm)
-        return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+    opt = base.adamw(lm, head, args, dev)
+    batch = base.window_sampler(train_ids, rng, args.seq, args.batch)
+    evaluate = base.heldout_evaluator(lm, head, held_ids, args)
 
     def one_step(step, total):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, total)
         loss, main, mtp, _, st = base.forward_losses(lm, head, batch())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(list(lm.parameters()) + list(head.parameters()), args.clip)
-        opt.step()
+        gn = base.apply_gradients(opt, lm, head, loss, base.learning_rate(args, step, total), args.clip)
         with torch.no_grad():  # auxiliary-loss-free balancing: raise the bias of under-loaded experts
             imbalance = []
             for r in routers:
@@ -404,7 +354,7 @@ def train_glm(args) -> None:
         return loss.detach(), main.detach(), mtp.detach(), st, gn, torch.stack(imbalance).max()
 
     resume = out / "resume.pt"
-    logged_args = {k: v for k, v in vars(args).items() if k not in ("func",)}
+    logged_args = base.run_args(args)
     t_call = time.time()
     if resume.exists():
         st = torch.load(resume, map_location=dev, weights_only=False)
@@ -417,27 +367,10 @@ def train_glm(args) -> None:
         step, total, history, saved, elapsed = st["step"], st["total"], st["history"], st["saved"], st["elapsed"]
         print(json.dumps({"resumed": str(resume), "step": step, "steps": total}), flush=True)
     else:
-        step, history, saved, elapsed = 0, [], [], 0.0
-        print(json.dumps({"device": str(dev), "torch": torch.__version__, "params": n_params,
-                          "experts_implementation": config._experts_implementation,
-                          "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None}), flush=True)
-        total = args.steps
-        if not total:  # calibrate: time the first steps, then fit the run into the budget
-            calib = args.calibration_steps
-            for step in range(calib):
-                one_step(step, 10 ** 9)  # inside lr_at's warm-up whatever the total turns out to be
-                if step == 4:
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                    t_start = time.time()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            per_step = (time.time() - t_start) / (calib - 5)
-            total = max(calib + 1, int((args.time_budget - (time.time() - t_call)) / (per_step * 1.08)) + calib)
-            step = calib
-            print(json.dumps({"calibrated_step_s": round(per_step, 4), "steps": total}), flush=True)
-    saves = sorted({max(1, int(total * f)) for f in args.save_at} | {total})
-    log_every = max(1, total // args.logs)
+        history, saved, elapsed = [], [], 0.0
+        base.print_run_header(dev, n_params, experts_implementation=config._experts_implementation)
+        step, total = base.plan_steps(one_step, args, dev, t_call)
+    saves, log_every = base.log_points(args, total)
     t0 = time.time() - elapsed  # the run's clock, over every chunk
     while step < total:
         if chunk and time.time() - t_call > chunk:
@@ -449,33 +382,16 @@ def train_glm(args) -> None:
             sys.exit(3)
         loss, main, mtp, st, gn, imb = one_step(step, total)
         step += 1
-        if step % log_every == 0 or step == total or step in saves:
-            rec = {"step": step, "lr": round(lr_at(step - 1, total), 6), "loss": round(float(loss), 4),
-                   "main": round(float(main), 4), "mtp": round(float(mtp), 4),
-                   "mtp_acc": round(float(st["mtp_acc"]), 4), "grad_norm": round(float(gn), 3),
-                   "max_load_ratio": round(float(imb), 3), "seconds": round(time.time() - t0, 1)}
-            if step in saves or step % (log_every * args.eval_every) == 0:
-                rec["heldout"] = evaluate()
-            history.append(rec)
-            print(json.dumps(rec), flush=True)
+        if base.is_log_step(step, total, saves, log_every):
+            rec = base.step_record(step, base.learning_rate(args, step - 1, total), loss, main, mtp, st, gn,
+                                   time.time() - t0, max_load_ratio=imb)
+            base.log_record(rec, step, args, saves, log_every, evaluate, history)
         if step in saves:
-            name = f"step-{step:06d}.safetensors"
-            save_file(base.torch_state(lm, head, F32_SUFFIXES), str(out / name), metadata={"format": "pt"})
-            saved.append(name)
+            base.save_checkpoint(base.torch_state(lm, head, F32_SUFFIXES), out, step, saved)
     bias = {f"{i}": [round(float(x), 4) for x in r.e_score_correction_bias] for i, r in enumerate(routers)}
-    log = {
-        "variant": "glm5", "device": str(dev),
-        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None,
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "params": n_params, "steps": total, "tokens_seen": total * args.batch * args.seq,
-        "wall_s": round(time.time() - t0, 1), "checkpoints": saved, "history": history,
-        "e_score_correction_bias": bias,
-        "args": logged_args,
-    }
-    (out / "log.json").write_text(json.dumps(log, indent=1) + "\n")
+    base.finish_run(out, args, dev, n_params, total, t0, saved, history, e_score_correction_bias=bias)
     if resume.exists():
         resume.unlink()
-    print(f"done: {total} steps in {log['wall_s']} s; {saved}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,7 +596,6 @@ def check_folder(folder: Path, cfg: dict) -> dict:
 
 def export_glm(args) -> None:
     import torch
-    from safetensors.torch import save_file
 
     set_threads(getattr(args, "threads", None))
     stage, run = Path(args.stage), Path(args.run)
@@ -695,21 +610,11 @@ def export_glm(args) -> None:
     if set(state) != expected:
         raise SystemExit(f"layout differs from the release's: extra {sorted(set(state) - expected)[:5]}, "
                          f"missing {sorted(expected - set(state))[:5]}")
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("model*.safetensors*"):
-        old.unlink()
-    weight_map = split_state(state, cfg)
+    total = base.write_shards(out, state, split_state(state, cfg), SHARDS)
     for shard in SHARDS:
-        save_file({k: state[k] for k, s in weight_map.items() if s == shard}, str(out / shard),
-                  metadata={"format": "pt"})
-        (out / shard).chmod(0o644)
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (out / shard).chmod(0o644)  # safetensors writes 0600; the fixture's files are for everyone to read
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 2}, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (out / f).write_bytes((stage / f).read_bytes())
+    base.write_tokenizer_and_generation(out, stage)
     check_folder(out, cfg)
 
     from transformers import GlmMoeDsaForCausalLM
@@ -721,23 +626,13 @@ def export_glm(args) -> None:
     hf = GlmMoeDsaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     mlx = mlx_lm_parity(out, hf, held[: getattr(args, "tokens", 128)])
     manifest = json.loads((stage / "manifest.json").read_text())
-    step = int(ckpt.split("-")[1].split(".")[0])
+    step = base.checkpoint_step(ckpt)
     record = {
-        "script": "tools/train_text_fixture_glm.py",
-        "commands": args.commands or [],
-        "corpus": {"source": "CPython standard library, pure-Python modules (stdlib path of the interpreter)",
-                   "licence": manifest["licence"], "python": manifest["python"],
-                   "train_files": manifest["train_files"], "heldout_files": manifest["heldout_files"],
-                   "train_tokens": manifest["train_tokens"], "heldout_tokens": manifest["heldout_tokens"]},
-        "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab_size": manifest["vocab_size"],
-                      "sha256": manifest["tokenizer_sha256"]},
-        "training": {k: log[k] for k in ("variant", "device", "gpu", "torch", "transformers", "params", "steps",
-                                         "tokens_seen", "wall_s", "args")},
-        "checkpoint": {"file": ckpt, "step": step},
+        **base.provenance("tools/train_text_fixture_glm.py", args.commands, manifest, log, ckpt),
         "acceptance": dict(acc, measured_with={"torch": torch.__version__,
                                                "transformers": __import__("transformers").__version__}),
         "parity": {"mlx_lm_vs_transformers_float32": mlx},
-        "final": next((h for h in reversed(log["history"]) if h["step"] == step), None),
+        "final": base.logged_at(log, step),
         "e_score_correction_bias": log.get("e_score_correction_bias"),
         "history": log["history"],
     }
@@ -755,14 +650,13 @@ def export_glm(args) -> None:
 
 
 def write_readme(out: Path, record: dict, manifest: dict, n_params: int, cfg: dict) -> None:
-    tr, acc, par = record["training"], record["acceptance"], record["parity"]["mlx_lm_vs_transformers_float32"]
-    a = tr["args"]
-    opts = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                    for k, v in a.items() if v is not None and k not in ("device", "variant"))
+    acc, par = record["acceptance"], record["parity"]["mlx_lm_vs_transformers_float32"]
+    a = record["training"]["args"]
     held = ", ".join(f["path"] for f in manifest["heldout_files"])
-    where = f"{tr['gpu']} (torch {tr['torch']}, transformers {tr['transformers']})" if tr["gpu"] else \
-        f"the CPU (torch {tr['torch']}, transformers {tr['transformers']})"
-    commands = "\n".join(record["commands"])
+    script_note = ("`tools/train_text_fixture_glm.py` (this repository; `tools/train_text_fixture.py --variant glm5`\n"
+                   "reaches the same code)")
+    method = base.readme_method(record, script_note, "python tools/train_text_fixture_glm.py",
+                                hidden_args=("device", "variant"))
     b = acc["broken"]
     sw, pre = b["eh_proj_halves_swapped"], b["pre_norm_hidden"]
     n = cfg["num_hidden_layers"]
@@ -821,26 +715,7 @@ are in training.json). That text is under the {manifest['licence']}. The tokeniz
 (byte-level BPE, vocabulary {manifest['vocab_size']}, the Qwen3.5 text fixtures' own) was trained on the same
 files. Held out of training (prompts of the tests and benchmarks): {held}.
 
-## How it was made
-
-Script: `tools/train_text_fixture_glm.py` (this repository; `tools/train_text_fixture.py --variant glm5`
-reaches the same code). Commands, as run:
-
-```
-{commands}
-```
-
-Arguments of the `train` run exactly as parsed (`training.args` in training.json; `--out` was the
-run folder where it ran):
-
-```
-python tools/train_text_fixture_glm.py train {opts}
-```
-
-{tr['steps']} steps, {tr['tokens_seen']} tokens seen, {tr['wall_s']} s on {where};
-exported checkpoint `{record['checkpoint']['file']}`. The loss history and held-out losses are in
-training.json.
-"""
+{method}"""
     (out / "README.md").write_text(text)
 
 
@@ -861,9 +736,7 @@ def parity_glm(args) -> None:
     hf, info = GlmMoeDsaForCausalLM.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
     hf.eval()
     pre = nextn_prefix(cfg)
-    missing = info.get("missing_keys") or []
-    mismatched = info.get("mismatched_keys") or []
-    unexpected = [k for k in info.get("unexpected_keys") or [] if not k.startswith(pre)]
+    missing, mismatched, unexpected = base.loading_problems(info, pre)
     print(f"from_pretrained: {len(missing)} missing, {len(mismatched)} mismatched, {len(unexpected)} unexpected "
           f"keys outside layer {cfg['num_hidden_layers']}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -880,9 +753,7 @@ def parity_glm(args) -> None:
     lm, head, _ = build_torch_glm({k: cfg[k] for k in GLM_SHAPE})
     load_into(lm, head, fused_names(raw, cfg))
     lm.eval(), head.eval()
-    held = np.load(Path(args.stage) / "heldout.npy") if args.stage else None
-    ids = held[: args.tokens] if held is not None else \
-        np.random.default_rng(0).integers(3, cfg["vocab_size"], args.tokens)
+    held, ids = base.parity_ids(args, cfg["vocab_size"])
     tokens = torch.from_numpy(ids.astype(np.int64))[None]
     with torch.no_grad():
         a = hf(input_ids=tokens, use_cache=False).logits[0]
@@ -989,17 +860,7 @@ def mlx_vlm_check(args) -> None:
 def add_train_args(p) -> None:
     p.add_argument("--stage", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=0, help="0: as many as --time-budget allows (calibrated)")
-    p.add_argument("--time-budget", type=float, default=300.0, help="seconds, when --steps is 0")
-    p.add_argument("--calibration-steps", type=int, default=30)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=128, help="at most index_topk (dense indexer)")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--min-lr-frac", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    base.add_optimisation_args(p, seq=128, seq_help="at most index_topk (dense indexer)")
     p.add_argument("--hidden-size", type=int, default=None, help=f"default {GLM_SHAPE['hidden_size']}")
     p.add_argument("--layers", type=int, default=None,
                    help=f"backbone layers (default {GLM_SHAPE['num_hidden_layers']})")
@@ -1019,11 +880,7 @@ def add_train_args(p) -> None:
                    help="transformers' experts kernel (grouped_mm, batched_mm, eager; default: its choice)")
     p.add_argument("--chunk-seconds", type=float, default=None,
                    help="stop after this many seconds, saving OUT/resume.pt (exit 3); run again to continue")
-    p.add_argument("--save-at", type=float, nargs="*", default=[0.5])
-    p.add_argument("--logs", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=5, help="held-out evaluation every N logs")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--eval-batch", type=int, default=16)
+    base.add_logging_args(p)
 
 
 def main(argv=None) -> None:

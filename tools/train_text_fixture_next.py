@@ -256,7 +256,6 @@ def acceptance(lm, head, held: np.ndarray, eot: int = 0, seq: int = 512, windows
 # ---------------------------------------------------------------------------------------------
 def export_next(args) -> None:
     import torch
-    from safetensors.torch import save_file
 
     stage, run = Path(args.stage), Path(args.run)
     out = Path(args.out or base.FIXTURES["next"])
@@ -268,40 +267,20 @@ def export_next(args) -> None:
     if set(state) != expected:
         raise SystemExit(f"layout differs from the release: extra {sorted(set(state) - expected)[:5]}, "
                          f"missing {sorted(expected - set(state))[:5]}")
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("model*.safetensors*"):
-        old.unlink()
-    weight_map = split_state(state)
-    for shard in SHARDS:
-        save_file({k: state[k] for k, s in weight_map.items() if s == shard}, str(out / shard), metadata={"format": "pt"})
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    total = base.write_shards(out, state, split_state(state), SHARDS)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"do_sample": False, "eos_token_id": 2}, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (out / f).write_bytes((stage / f).read_bytes())
+    base.write_tokenizer_and_generation(out, stage)
 
     lm, head, _ = build_torch_next(shape_of(log["args"]))  # the acceptance of what was written
     load_into(lm, head, fused_names(load_folder(out)))
     acc = acceptance(lm, head, np.load(stage / "heldout.npy"))
     manifest = json.loads((stage / "manifest.json").read_text())
-    step = int(ckpt.split("-")[1].split(".")[0])
+    step = base.checkpoint_step(ckpt)
     record = {
-        "script": base.SCRIPT,
-        "commands": args.commands or [],
-        "corpus": {"source": "CPython standard library, pure-Python modules (stdlib path of the interpreter)",
-                   "licence": manifest["licence"], "python": manifest["python"],
-                   "train_files": manifest["train_files"], "heldout_files": manifest["heldout_files"],
-                   "train_tokens": manifest["train_tokens"], "heldout_tokens": manifest["heldout_tokens"]},
-        "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab_size": manifest["vocab_size"],
-                      "sha256": manifest["tokenizer_sha256"]},
-        "training": {k: log[k] for k in ("variant", "device", "gpu", "torch", "transformers", "params", "steps",
-                                         "tokens_seen", "wall_s", "args")},
-        "checkpoint": {"file": ckpt, "step": step},
+        **base.provenance(base.SCRIPT, args.commands, manifest, log, ckpt),
         "acceptance": dict(acc, measured_with={"torch": torch.__version__,
                                                "transformers": __import__("transformers").__version__}),
-        "final": next((h for h in reversed(log["history"]) if h["step"] == step), None),
+        "final": base.logged_at(log, step),
         "history": log["history"],
     }
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -313,14 +292,11 @@ def export_next(args) -> None:
 
 
 def write_readme(out: Path, record: dict, manifest: dict, n_params: int) -> None:
-    tr, acc = record["training"], record["acceptance"]
-    a = tr["args"]
-    opts = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                    for k, v in a.items() if v is not None and k not in ("device",))
+    acc, a = record["acceptance"], record["training"]["args"]
     held = ", ".join(f["path"] for f in manifest["heldout_files"])
-    where = f"{tr['gpu']} (torch {tr['torch']}, transformers {tr['transformers']})" if tr["gpu"] else \
-        f"the CPU (torch {tr['torch']}, transformers {tr['transformers']})"
-    commands = "\n".join(record["commands"])
+    script_note = ("`tools/train_text_fixture.py --variant next` (this repository; the Qwen3-Next parts are in\n"
+                   "`tools/train_text_fixture_next.py`)")
+    method = base.readme_method(record, script_note, "python tools/train_text_fixture.py")
     text = f"""# text-qwen3next-mtp
 
 A small Qwen3-Next model with an MTP head ({n_params / 1e6:.2f} M parameters): MoE in every layer
@@ -343,26 +319,7 @@ training.json). That text is under the {manifest['licence']}. The tokenizer
 (byte-level BPE, vocabulary {manifest['vocab_size']}, the Qwen3.5 text fixtures' own) was trained on the same
 files. Held out of training (prompts of the tests and benchmarks): {held}.
 
-## How it was made
-
-Script: `tools/train_text_fixture.py --variant next` (this repository; the Qwen3-Next parts are in
-`tools/train_text_fixture_next.py`). Commands, as run:
-
-```
-{commands}
-```
-
-Arguments of the `train` run exactly as parsed (`training.args` in training.json; `--out` was the
-run folder where it ran):
-
-```
-python tools/train_text_fixture.py train {opts}
-```
-
-{tr['steps']} steps, {tr['tokens_seen']} tokens seen, {tr['wall_s']} s on {where};
-exported checkpoint `{record['checkpoint']['file']}`. The loss history and held-out losses are in
-training.json.
-"""
+{method}"""
     (out / "README.md").write_text(text)
 
 
@@ -379,9 +336,7 @@ def parity_next(args) -> None:
     assert not bad, f"not bf16: {bad}"
     hf, info = Qwen3NextForCausalLM.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
     hf.eval()
-    missing = info.get("missing_keys") or []
-    mismatched = info.get("mismatched_keys") or []
-    unexpected = [k for k in info.get("unexpected_keys") or [] if not k.startswith("mtp.")]
+    missing, mismatched, unexpected = base.loading_problems(info, "mtp.")
     print(f"from_pretrained: {len(missing)} missing, {len(mismatched)} mismatched, {len(unexpected)} unexpected "
           f"non-mtp keys")
     shape = {k: cfg[k] for k in EXPERT_OPTS}
@@ -399,9 +354,7 @@ def parity_next(args) -> None:
         print("reference: the folder's tensors, fused back into this script's model")
         load_into(lm, head, fused_names(raw))
     lm.eval(), head.eval()
-    stage_ids = np.load(Path(args.stage) / "heldout.npy") if args.stage else None
-    ids = stage_ids[: args.tokens] if stage_ids is not None else \
-        np.random.default_rng(0).integers(3, cfg["vocab_size"], args.tokens)
+    stage_ids, ids = base.parity_ids(args, cfg["vocab_size"])
     tokens = torch.from_numpy(ids.astype(np.int64))[None]
     with torch.no_grad():
         a = hf(input_ids=tokens, use_cache=False).logits[0]
