@@ -450,6 +450,28 @@ def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
     assert sum(loss) <= policy.budget * on_winner + max(sum(loss[i:i + 3]) for i in range(0, len(loss), 3))
 
 
+@pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.05, False), (0.012, True)])
+def test_draft_policy_keeps_its_choice_when_rows_leave(draft_seconds, expect_drafting):
+    """Timed at 4 rows, the policy goes on with the winner at 3, 2 and 1 rows (rows leaving one by one at a
+    batch's end) without timing the loser there: its cost is estimated through the kinds' ratio at 4 rows.
+    (Budgeted probes are spaced out of this test's reach.)"""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
+
+    policy = DraftPolicy(budget=0.05, min_interval=10 ** 6)
+    simulate_policy(policy, draft_seconds, 40)
+    for B in (3, 2, 1):
+        class Engine:
+            depth = 1
+            streams = [Stream([1], 10) for _ in range(B)]
+
+        for _ in range(10):
+            d = policy.choose(Engine)
+            assert d == expect_drafting, B
+            policy.observe(Engine, StepLog(list(range(B)), [1] * B if d else [-1] * B, d,
+                                           (draft_seconds if d else 0.010) * B / 4, head_width=2 if d else 0))
+        assert policy.seconds(B, not expect_drafting) is None  # the loser was never run at B
+
+
 def test_draft_policy_spaces_expensive_probes():
     """A drafting probe after a long plain stretch pays the head's catch-up over it: the more a probe
     loses, the longer the next one waits (the intervals grow), and with a larger budget probes come

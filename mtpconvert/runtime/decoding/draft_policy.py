@@ -19,8 +19,12 @@ class DraftPolicy:
     first draft after a plain stretch, which reads the whole stretch) are not timed at all, nor are
     the first and last steps of a pipelined plain stretch (``StepLog.steady``). With n
     of B rows drafting it predicts (n * tokens_per_row + B - n) / t_draft against B / t_plain and
-    drafts when the first is larger. Each kind is timed ``probe_steps`` times at a new B before
-    predicting.
+    drafts when the first is larger. Both kinds are timed ``probe_steps`` times at the first B.
+    At a B where a kind has not been timed, its cost is the other kind's there (or, where neither was,
+    the nearest timed B's) times the two kinds' ratio at the nearest B where both were timed: rows
+    leave one by one at the end of a batch, and timing both kinds afresh at every smaller B costs
+    most where the loser is expensive (drafting steps of 2-4x a plain one on a GPU), while the
+    ratio moves little from one B to the next.
 
     Exploration has a budget: the losing kind is probed (``probe_steps`` steps) to keep its cost and
     the acceptance current, but only once the time spent on the winning kind since the last probe,
@@ -49,22 +53,38 @@ class DraftPolicy:
         times = self.timed.get((B, drafted))
         return min(times) if times and len(times) >= min(self.probe_steps, self.window) else None
 
+    def costs(self, B: int) -> Optional[Tuple[float, float]]:
+        """(drafting step, plain step) seconds at batch size B: as timed, else estimated through the kinds'
+        ratio at the nearest B where both were timed (see the class); None before any B had both."""
+        draft, plain = self.seconds(B, True), self.seconds(B, False)
+        if draft is not None and plain is not None:
+            return draft, plain
+        both = [b for b in {b for b, _ in self.timed}
+                if self.seconds(b, True) is not None and self.seconds(b, False) is not None]
+        if not both:
+            return None
+        near = min(both, key=lambda b: (abs(b - B), b))
+        near_draft, near_plain = self.seconds(near, True), self.seconds(near, False)
+        if plain is not None:
+            return plain * near_draft / near_plain, plain
+        if draft is not None:
+            return draft, draft * near_plain / near_draft
+        return near_draft, near_plain
+
     def predicted_rates(self, B: int, drafting: int) -> Optional[Tuple[float, float]]:
         """(drafting tok/s, plain tok/s) at batch size B, or None until both kinds were measured."""
-        t_draft, t_plain = self.seconds(B, True), self.seconds(B, False)
-        if t_draft is None or t_plain is None or self.tokens_per_row is None:
+        costs = self.costs(B)
+        if costs is None or self.tokens_per_row is None:
             return None
-        return (drafting * self.tokens_per_row + B - drafting) / t_draft, B / t_plain
+        return (drafting * self.tokens_per_row + B - drafting) / costs[0], B / costs[1]
 
     def choose(self, engine) -> bool:
         B = len(engine.streams)
         drafting = sum(s.draft for s in engine.streams)
         if not drafting:
             return False
-        if self.seconds(B, True) is None or self.tokens_per_row is None:
-            return True
-        if self.seconds(B, False) is None:
-            return False
+        if self.costs(B) is None or self.tokens_per_row is None:  # the first timings: drafting's, then plain's
+            return self.seconds(B, True) is None or self.tokens_per_row is None
         draft_rate, plain_rate = self.predicted_rates(B, drafting)
         self.decisions += 1
         better = draft_rate > plain_rate
@@ -91,7 +111,7 @@ class DraftPolicy:
             old = self.tokens_per_row
             self.tokens_per_row = new if old is None else old + self.smoothing * (new - old)
         rates = self.predicted_rates(B, sum(a >= 0 for a in record.accepted) or B)
-        if rates is None:  # still timing the kinds at this B: the price of a new B, not of a probe
+        if rates is None:  # the first timings: the price of starting, not of a probe
             return
         winner, winner_rate = rates[0] > rates[1], max(rates)
         if record.drafted == winner:
