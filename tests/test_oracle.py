@@ -130,6 +130,9 @@ def test_batched_oracle_bench_json(dense):
         assert r["oracle"]["label"] == LABEL and r["oracle"]["reference_misses"] == 0
         assert r["decoders"]["mtp"]["acceptance_by_stream"] == [1.0] * r["concurrency"]
         assert r["costs"]["rows"] == r["concurrency"] and "predicted_speedup" in r
+        auto = r["decoders"]["auto"]
+        assert auto["generated"] == r["decoders"]["plain"]["generated"] and 0 <= auto["drafted_steps"] <= auto["steps"]
+        assert r["auto_vs_best"] > 0 and r["speedup_auto"] > 0 and "policy_step_ms" in auto
         assert r["greedy_plain_engine_identical_to_batchgen"] is True
 
 

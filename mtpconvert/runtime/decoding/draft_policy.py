@@ -118,3 +118,12 @@ class DraftPolicy:
             self.since_probe += record.seconds
         else:  # what this step lost against the winner for the same tokens
             self.probe_loss += max(record.seconds - (B + sum(kept)) / winner_rate, 0.0)
+
+    def to_json(self) -> dict:
+        """What the policy decided from: its step costs per (B, kind) in ms, the tokens a drafting row
+        emits per step, and how many probes it started."""
+        costs = {key: self.seconds(*key) for key in sorted(self.timed)}
+        return {"policy_step_ms": {f"B={b},{'draft' if d else 'plain'}": round(1e3 * t, 3)
+                                   for (b, d), t in costs.items() if t is not None},
+                "policy_tokens_per_row": None if self.tokens_per_row is None else round(self.tokens_per_row, 3),
+                "policy_probes": self.probes}

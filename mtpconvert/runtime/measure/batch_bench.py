@@ -177,10 +177,7 @@ class ConcurrencyRow:
         if greedy:
             out["greedy_identical_to_plain_engine"] = self.greedy_identical()
         if self.policy is not None:
-            costs = {key: self.policy.seconds(*key) for key in sorted(self.policy.timed)}
-            out["policy_step_ms"] = {f"B={b},{'draft' if d else 'plain'}": round(1e3 * t, 3)
-                                     for (b, d), t in costs.items() if t is not None}
-            out["policy_probes"] = getattr(self.policy, "probes", None)
+            out.update(self.policy.to_json())
         return out
 
 

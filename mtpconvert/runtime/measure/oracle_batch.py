@@ -6,7 +6,10 @@ start together (stream i takes prompt i mod the prompts given) and decode ``max_
 ``batchgen``  mlx-lm's ``BatchGenerator`` (the baseline every speedup divides by);
 ``plain``     our batched engine with drafting off;
 ``mtp``       our batched engine, every row drafting every step, each greedy draft replaced by the
-              true next greedy token with probability P (the head still runs).
+              true next greedy token with probability P (the head still runs);
+``auto``      our batched engine under ``DraftPolicy`` with the same oracle drafts: whether the policy
+              finds, at model scale, where drafting pays. Its policy is warmed by one untimed run at
+              that P and kept for the timed one, as ``bench --concurrency`` keeps it.
 
 ``batchgen`` and ``plain`` do not depend on P: they are timed once per (k, C) and shared by that
 level's P rows. Each decoder runs once untimed first (kernels compile per shape). The oracle's
@@ -26,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ..decoding.batched import Stream, run_batch
+from ..decoding.draft_policy import DraftPolicy
 from ..decoding.load import MTPModel
 from ..decoding.sampling import Sampling
 from .baseline import mlx_lm_generate
@@ -43,9 +47,9 @@ class EngineRun:
 
 
 def engine_run(m: MTPModel, prompts: Sequence[Sequence[int]], max_tokens: int, depth: int, mode: str,
-               hidden: str, seed: int, hook=None) -> EngineRun:
+               hidden: str, seed: int, hook=None, policy: Optional[DraftPolicy] = None) -> EngineRun:
     streams = [Stream(list(p), max_tokens, sampling=Sampling(), seed=seed + i) for i, p in enumerate(prompts)]
-    engine = run_batch(m, streams, depth, mode, hidden=hidden, draft_hook=hook)
+    engine = run_batch(m, streams, depth, mode, hidden=hidden, draft_hook=hook, policy=policy)
     run = DecoderRun([s.out for s in streams], [s.first_token_s for s in streams], [s.done_s for s in streams],
                      steps=len(engine.log), drafted_steps=sum(r.drafted for r in engine.log),
                      accepted=[sum(s.stats.accepted) for s in streams],
@@ -67,14 +71,21 @@ class OracleConcurrencyRow:
     batchgen: DecoderRun
     plain: EngineRun
     mtp: EngineRun
+    auto: EngineRun
+    policy: DraftPolicy
     costs: StepCosts
     stats: OracleStats
     reference_misses: int  # streams whose timed decode parted from the oracle's reference
     plain_matches_batchgen: bool
 
-    def speedup(self) -> float:
+    def speedup(self, decoder: str = "mtp") -> float:
         base = self.batchgen.aggregate_tps
-        return self.mtp.run.aggregate_tps / base if base else 0.0
+        return getattr(self, decoder).run.aggregate_tps / base if base else 0.0
+
+    def auto_vs_best(self) -> float:
+        """auto's tok/s over the best fixed choice's (BatchGenerator, plain, mtp)."""
+        best = max(self.batchgen.aggregate_tps, self.plain.run.aggregate_tps, self.mtp.run.aggregate_tps)
+        return self.auto.run.aggregate_tps / best if best else 0.0
 
     def predicted(self) -> float:
         return self.costs.predicted_speedup(self.mtp.tokens_per_step, self.mtp.reject_share)
@@ -86,8 +97,12 @@ class OracleConcurrencyRow:
                          "plain": dict(self.plain.run.to_json(), median_step_ms=self.plain.step_ms),
                          "mtp": dict(self.mtp.run.to_json(), median_step_ms=self.mtp.step_ms,
                                      tokens_per_row_step=round(self.mtp.tokens_per_step, 3),
-                                     reject_share=round(self.mtp.reject_share, 4))},
+                                     reject_share=round(self.mtp.reject_share, 4)),
+                         "auto": dict(self.auto.run.to_json(), median_step_ms=self.auto.step_ms,
+                                      **self.policy.to_json())},
             "speedup_mtp": round(self.speedup(), 3),
+            "speedup_auto": round(self.speedup("auto"), 3),
+            "auto_vs_best": round(self.auto_vs_best(), 3),
             "speedup_plain_engine": round(self.plain.run.aggregate_tps / self.batchgen.aggregate_tps, 3)
             if self.batchgen.aggregate_tps else 0.0,
             "costs": self.costs.to_json(), "predicted_speedup": round(self.predicted(), 3),
@@ -138,13 +153,16 @@ def bench_concurrency_oracle(
             plain = engine_run(m, prompts, max_tokens, depth, "plain", hidden, seed)
             for p in oracle:
                 o = oracles[p]
+                policy = DraftPolicy()
+                engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, o.batch_hook(), policy)  # warms it
+                auto = engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, o.batch_hook(), policy)
                 o.stats = OracleStats()
                 mtp = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o.batch_hook())
                 misses = sum(parted(o.references[i], t) for i, t in enumerate(mtp.run.tokens))
-                result.rows.append(OracleConcurrencyRow(c, depth, p, batchgen, plain, mtp, costs, o.stats, misses,
-                                                        batchgen.tokens == plain.run.tokens))
+                result.rows.append(OracleConcurrencyRow(c, depth, p, batchgen, plain, mtp, auto, policy, costs, o.stats,
+                                                        misses, batchgen.tokens == plain.run.tokens))
                 if on_tokens:
-                    on_tokens(mtp.run.generated + c)
+                    on_tokens(mtp.run.generated + auto.run.generated + 2 * c)
             if on_tokens:
                 on_tokens(batchgen.generated + plain.run.generated + 2 * c)
     return result
