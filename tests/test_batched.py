@@ -434,17 +434,21 @@ def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
     """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
     tok/s), a 12 ms one wins (583 vs 400), although the first step of each kind is 20x slower. The
     losing kind is still probed, in runs of 3 steps, and exploring costs at most about the budget:
-    the loser's steps after the first timings lose (against the winner's rate, for the same tokens) no
-    more than budget x the time on the winner plus one probe."""
+    the first timings of the loser count as a probe (at its timed cost), so the first probe waits until
+    budget x the time on the winner covers them; after them the loser's steps lose (against the winner's
+    rate, for the same tokens) no more than budget x the time on the winner plus one probe."""
     from mtpconvert.runtime.decoding.batched import DraftPolicy
 
     policy = DraftPolicy(budget=0.05)
-    chosen, cost = simulate_policy(policy, draft_seconds, 600)
+    chosen, cost = simulate_policy(policy, draft_seconds, 1500)
     assert chosen[:6] == [True] * 3 + [False] * 3  # each kind timed 3 times first
     minority = [i for i, d in enumerate(chosen[6:], 6) if d != expect_drafting]
     probes = [minority[i:i + 3] for i in range(0, len(minority), 3)]
     assert len(probes) >= 2 and all(p == list(range(p[0], p[0] + 3)) for p in probes), minority
     rate = max(1.75 * 4 / draft_seconds, 4 / 0.010)
+    first_loss = 3 * (draft_seconds - 7 / rate if not expect_drafting else 0.010 - 4 / rate)
+    before_first_probe = sum(cost[i][0] for i in range(6, minority[0]))
+    assert policy.budget * before_first_probe >= first_loss
     loss = [max(cost[i][0] - cost[i][1] / rate, 0) for i in minority]
     on_winner = sum(cost[i][0] for i in range(6, len(chosen)) if chosen[i] == expect_drafting)
     assert sum(loss) <= policy.budget * on_winner + max(sum(loss[i:i + 3]) for i in range(0, len(loss), 3))

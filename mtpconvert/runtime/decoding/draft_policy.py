@@ -29,7 +29,8 @@ class DraftPolicy:
     ratio moves little from one B to the next.
 
     Exploration has a budget: the losing kind is probed (``probe_steps`` steps) to keep its cost and
-    the acceptance current, but only once the time spent on the winning kind since the last probe,
+    the acceptance current, but only once the time spent on the winning kind since the last probe (the
+    first timings count as one, at the loser's timed cost: a compile is not a probe's loss),
     times ``budget``, covers what that probe lost — its steps' time minus the time the winner
     would have taken for the same tokens, a drafting probe's catch-up of the whole plain stretch
     included — and never within ``min_interval`` decisions of it. Exploring so costs at most about
@@ -46,7 +47,8 @@ class DraftPolicy:
         self.decisions = 0
         self.winner: Optional[bool] = None  # the kind predicted faster at the last decision
         self.probing = 0  # probe steps still to choose
-        self.probe_loss = 0.0  # seconds the last probe (or the first timing of the loser) lost
+        self.probe_loss = 0.0  # seconds the last probe (or the first timings of the loser) lost
+        self.first_steps: Optional[Dict[bool, int]] = {True: 0, False: 0}  # steps of each kind before any prediction
         self.since_probe = 0.0  # seconds spent on the winner since then
         self.last_probe = 0  # decision count when the last probe started
         self.probes = 0  # probes started
@@ -112,10 +114,17 @@ class DraftPolicy:
         if record.drafted and kept:
             self.accepted.extend(kept)
             self.tokens_per_row = 1 + sum(self.accepted) / len(self.accepted)
-        rates = self.predicted_rates(B, sum(a >= 0 for a in record.accepted) or B)
-        if rates is None:  # the first timings: the price of starting, not of a probe
+        drafting = sum(a >= 0 for a in record.accepted) or B
+        rates = self.predicted_rates(B, drafting)
+        if rates is None:  # still taking the first timings
+            self.first_steps[record.drafted] += 1
             return
         winner, winner_rate = rates[0] > rates[1], max(rates)
+        if self.first_steps is not None:  # the first timings of the loser were a probe too: the budget pays them
+            loser_cost = self.costs(B)[0 if not winner else 1]
+            loser_tokens = drafting * self.tokens_per_row + B - drafting if not winner else B
+            self.probe_loss += self.first_steps[not winner] * max(loser_cost - loser_tokens / winner_rate, 0.0)
+            self.first_steps = None
         if record.drafted == winner:
             self.since_probe += record.seconds
         else:  # what this step lost against the winner for the same tokens
