@@ -400,6 +400,13 @@ def test_bench_concurrency_json_and_bad_input(tmp_path):
         assert result.exit_code == 2 and "--concurrency" in result.output and "Traceback" not in result.output
 
 
+def fake_engine(rows: int, depth: int = 1):
+    """What ``DraftPolicy`` reads of an engine: its depth and its rows."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(depth=depth, streams=[Stream([1], 10) for _ in range(rows)])
+
+
 def simulate_policy(policy, draft_seconds, steps, plain_seconds=0.010, catch_up_per_step=0.002, B=4):
     """A policy deciding ``steps`` steps of a fake 4-row batch: each drafting row emits 1.75 tokens; the
     first step of each kind is 20x slower (a kernel compile); a drafting step after n plain steps also
@@ -407,13 +414,10 @@ def simulate_policy(policy, draft_seconds, steps, plain_seconds=0.010, catch_up_
     Returns the choices and, per step, (seconds, tokens)."""
     from mtpconvert.runtime.decoding.batched import StepLog
 
-    class Engine:
-        depth = 1
-        streams = [Stream([1], 10) for _ in range(B)]
-
+    engine = fake_engine(B)
     chosen, cost, plain_run = [], [], 0
     for _ in range(steps):
-        d = policy.choose(Engine)
+        d = policy.choose(engine)
         seconds = draft_seconds if d else plain_seconds
         if d not in chosen:
             seconds *= 20
@@ -425,7 +429,7 @@ def simulate_policy(policy, draft_seconds, steps, plain_seconds=0.010, catch_up_
         chosen.append(d)
         accepted = [1, 0, 1, 1] if d else [-1] * B
         cost.append((seconds, B + (3 if d else 0)))
-        policy.observe(Engine, StepLog(list(range(B)), accepted, d, seconds, head_width=width if d else 0))
+        policy.observe(engine, StepLog(list(range(B)), accepted, d, seconds, head_width=width if d else 0))
     return chosen, cost
 
 
@@ -464,14 +468,11 @@ def test_draft_policy_keeps_its_choice_when_rows_leave(draft_seconds, expect_dra
     policy = DraftPolicy(budget=0.05, min_interval=10 ** 6)
     simulate_policy(policy, draft_seconds, 40)
     for B in (3, 2, 1):
-        class Engine:
-            depth = 1
-            streams = [Stream([1], 10) for _ in range(B)]
-
+        engine = fake_engine(B)
         for _ in range(10):
-            d = policy.choose(Engine)
+            d = policy.choose(engine)
             assert d == expect_drafting, B
-            policy.observe(Engine, StepLog(list(range(B)), [1] * B if d else [-1] * B, d,
+            policy.observe(engine, StepLog(list(range(B)), [1] * B if d else [-1] * B, d,
                                            (draft_seconds if d else 0.010) * B / 4, head_width=2 if d else 0))
         assert policy.seconds(B, not expect_drafting) is None  # the loser was never run at B
 
@@ -484,15 +485,12 @@ def _noisy_runs(t_plain: float, t_draft: float, runs: int = 100, rows: int = 4, 
 
     from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
 
-    class Engine:
-        depth = 1
-        streams = [Stream([1], 10) for _ in range(rows)]
-
+    engine = fake_engine(rows)
     def decode(policy, rng):
         chosen, emitted, plain_run, previous_plain = [], 0, 0, False
         while emitted < tokens * rows:
             first = not chosen
-            if policy.choose(Engine):
+            if policy.choose(engine):
                 kept = [int(rng.random() < 0.8) for _ in range(rows)]
                 record = StepLog(list(range(rows)), kept, True, t_draft + 0.004 * plain_run,
                                  head_width=40 if first else plain_run + 2, after_join=first)
@@ -501,7 +499,7 @@ def _noisy_runs(t_plain: float, t_draft: float, runs: int = 100, rows: int = 4, 
                 record = StepLog(list(range(rows)), [-1] * rows, False, t_plain, after_join=first,
                                  built_before=previous_plain, built_next=True)
                 emitted, plain_run, previous_plain = emitted + rows, plain_run + 1, True
-            policy.observe(Engine, record)
+            policy.observe(engine, record)
             chosen.append(record.drafted)
         return sum(chosen) / len(chosen)
 
@@ -542,12 +540,9 @@ def test_draft_policy_does_not_time_a_catch_up_step():
     """The first drafting step after plain steps reads the whole plain stretch: slow, and not a step cost."""
     from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
 
-    class Engine:
-        depth = 2
-        streams = [Stream([1], 10) for _ in range(2)]
-
+    engine = fake_engine(2, depth=2)
     policy = DraftPolicy()
-    policy.observe(Engine, StepLog([0, 1], [0, 1], True, 0.5, head_width=40))
+    policy.observe(engine, StepLog([0, 1], [0, 1], True, 0.5, head_width=40))
     assert policy.timed.get((2, True)) is None
-    policy.observe(Engine, StepLog([0, 1], [0, 1], True, 0.01, head_width=3))
+    policy.observe(engine, StepLog([0, 1], [0, 1], True, 0.01, head_width=3))
     assert list(policy.timed[(2, True)]) == [0.01]
