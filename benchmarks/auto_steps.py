@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,19 +45,31 @@ def main(argv=None) -> int:
     report = {}
     for mode in ("plain", "mtp") + ("auto",) * args.repeat:
         streams = [Stream(list(p), args.max_tokens) for p in prompts]
+        start = time.perf_counter()
         engine = run_batch(m, streams, args.depth, mode, policy=policy if mode == "auto" else None)
-        steps = [{"B": len(r.streams), "drafted": r.drafted, "head_width": r.head_width, "ms": round(1e3 * r.seconds, 3)}
+        wall = 1e3 * (time.perf_counter() - start)
+        steps = [{"B": len(r.streams), "drafted": r.drafted, "head_width": r.head_width, "ms": round(1e3 * r.seconds, 3),
+                  "built_before": r.built_before, "built_next": r.built_next}
                  for r in engine.log]
+        # steps by (this step drafted, the step before drafted): what a switch of kind costs
+        by_switch = {}
+        for before, s in zip(steps, steps[1:]):
+            by_switch.setdefault(f"{'draft' if before['drafted'] else 'plain'}->{'draft' if s['drafted'] else 'plain'}",
+                                 []).append(s["ms"])
         kinds = {}
         for s in steps:
             kinds.setdefault(s["drafted"], []).append(s["ms"])
         medians = {k: statistics.median(v) for k, v in kinds.items()}
         slow = [dict(s, step=i) for i, s in enumerate(steps) if s["ms"] > 3 * medians[s["drafted"]]]
         total = sum(s["ms"] for s in steps)
-        print(f"{mode}: {len(steps)} steps, {total:.0f} ms; median ms drafted/plain "
+        switches = {k: (len(v), round(statistics.median(v), 2), round(sum(v), 1)) for k, v in sorted(by_switch.items())}
+        print(f"{mode}: {len(steps)} steps, {total:.0f} ms in steps, {wall:.0f} ms wall; (steps, median ms, total ms) "
+              f"by switch {switches}; median ms drafted/plain "
               f"{medians.get(True, 0):.2f}/{medians.get(False, 0):.2f}; slow steps {len(slow)} = "
-              f"{sum(s['ms'] for s in slow):.0f} ms: {slow[:12]}", flush=True)
-        report.setdefault(mode, []).append({"steps": steps, "slow": slow, "total_ms": total})
+              f"{sum(s['ms'] for s in slow):.0f} ms: {slow[:12]}"
+              + (f"; policy {policy.to_json()}" if mode == "auto" else ""), flush=True)
+        report.setdefault(mode, []).append({"steps": steps, "slow": slow, "total_ms": total, "wall_ms": wall,
+                                            "by_switch": switches})
     if args.json:
         args.json.write_text(json.dumps(report) + "\n")
     return 0

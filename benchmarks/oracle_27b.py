@@ -168,8 +168,10 @@ def stage_batched(args, m, ids) -> dict:
             log(f"[{label}] k={r['depth']} C={r['concurrency']} P={r['oracle_acceptance']}: BatchGenerator "
                 f"{d['batchgen']['aggregate_tok_per_s']} plain {d['plain']['aggregate_tok_per_s']} MTP "
                 f"{d['mtp']['aggregate_tok_per_s']} tok/s, speedup {r['speedup_mtp']} (pred {r['predicted_speedup']}),"
-                f" β {r['costs']['beta']} δ {r['costs']['delta']}, accept {d['mtp']['acceptance_by_stream']}, "
-                f"misses {r['oracle']['reference_misses']}")
+                f" β {r['costs']['beta']} δ {r['costs']['delta']}, accept {d['mtp']['acceptance_by_stream']}; auto "
+                f"{d['auto']['aggregate_tok_per_s']} tok/s ({d['auto']['drafted_steps']}/{d['auto']['steps']} drafted), "
+                f"auto / best {r['auto_vs_best']}, policy {d['auto']['policy_step_ms']} "
+                f"tokens/row {d['auto']['policy_tokens_per_row']}")
         out["runs"].append(j)
         _write(args, "batched.json", out)
     return out

@@ -1,9 +1,10 @@
 """Oracle acceptance (runtime/measure/oracle.py, `bench --oracle-acceptance P`).
 
-The oracle replaces each greedy draft by the true next greedy token with probability P, else by a
-wrong one: P = 1 must accept every draft, P = 0 none, and whatever P the emitted tokens stay the
-plain greedy decode (only the drafted ids change, never the target's decision). Every table row
-and JSON row carries the label.
+Single stream: the oracle replaces each greedy draft by the true next greedy token with probability
+P, else by a wrong one: P = 1 must accept every draft, P = 0 none, and whatever P the emitted tokens
+stay the plain greedy decode (only the drafted ids change, never the target's decision). Batched:
+each draft is kept with probability P in place of its comparison. Every table row and JSON row
+carries the label.
 """
 
 import json
@@ -15,9 +16,10 @@ from checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.decoding.batched import Stream, run_batch
 from mtpconvert.runtime.decoding.load import load
+from mtpconvert.runtime.decoding.sampling import Sampling
 from mtpconvert.runtime.decoding.speculative import mtp_generate, plain_generate
 from mtpconvert.runtime.measure.bench import bench
-from mtpconvert.runtime.measure.oracle import LABEL, Oracle, coin
+from mtpconvert.runtime.measure.oracle import KEEP_LABEL, LABEL, KeepOracle, Oracle, coin
 from mtpconvert.runtime.measure.oracle_batch import bench_concurrency_oracle
 
 TOKENS = 16
@@ -83,15 +85,36 @@ def test_head_still_runs_under_the_oracle(dense, monkeypatch):
     assert len(calls) == st.steps  # one head call per step (depth 1)
 
 
-def test_batched_acceptance_follows_p_and_output_stays_greedy(dense):
+def test_batched_keep_oracle_sets_acceptance_and_decides_nothing_else(dense):
+    """The batched oracle keeps a draft when its coin is below P: the drafts kept per step are the
+    leading kept coins of that step's drafts, asked at the step's output positions; P = 0 gives the
+    plain greedy decode and P = 1 keeps every draft."""
     _, m, prompts, refs = dense
-    for p, want in ((1.0, 1.0), (0.0, 0.0)):
-        o = Oracle(p, m.lm.args.vocab_size, {i: refs[i] for i in range(3)})
+    for p in (0.0, 0.5, 1.0):
+        o = KeepOracle(p, seed=3)
+        asked = []
+        def keep(stream, position):
+            asked.append((stream, position, o.keeps(stream, position)))
+            return asked[-1][2]
         streams = [Stream(list(prompts[i]), TOKENS, seed=i) for i in range(3)]
-        run_batch(m, streams, 2, "mtp", draft_hook=o.batch_hook())
+        run_batch(m, streams, 2, "mtp", keep_hook=keep)
         for i, s in enumerate(streams):
-            assert s.out == refs[i][:TOKENS]
-            assert sum(s.stats.accepted) == pytest.approx(want * sum(s.stats.proposed))
+            mine = [kept for stream, _, kept in asked if stream == i]
+            steps = [mine[j:j + 2] for j in range(0, len(mine), 2)]
+            assert len(steps) == sum(a >= 0 for a in s.accepted)
+            assert [a for a in s.accepted if a >= 0] == [(d[0] + (d[0] and d[1])) for d in steps]
+            position, firsts = 1, []  # a step's first draft sits at the output position after its confirmed token
+            for a in s.accepted:
+                firsts += [position] if a >= 0 else []
+                position += max(a, 0) + 1
+            assert [pos for stream, pos, _ in asked if stream == i][::2] == firsts
+            if p == 0.0:
+                assert s.out == refs[i][:TOKENS]
+            if p == 1.0:
+                assert all(a == 2 for a in s.accepted)
+        assert o.coins == len(asked) and o.below == sum(k for *_, k in asked)
+    with pytest.raises(ValueError, match="keep_hook"):
+        run_batch(m, [Stream(list(prompts[0]), 4, sampling=Sampling(0.7))], 1, "mtp", keep_hook=lambda s, i: True)
 
 
 def test_bench_rows_and_json_carry_the_label(dense):
@@ -111,7 +134,6 @@ def test_bench_rows_and_json_carry_the_label(dense):
 
 
 def test_oracle_needs_greedy(dense):
-    from mtpconvert.runtime.decoding.sampling import Sampling
 
     path, m, prompts, refs = dense
     with pytest.raises(ValueError):
@@ -124,10 +146,10 @@ def test_batched_oracle_bench_json(dense):
     path, m, prompts, _ = dense
     res = bench_concurrency_oracle(m, str(path), prompts[:2], [1, 2], oracle=(1.0,), max_tokens=10, depths=(1,))
     j = json.loads(json.dumps(res.to_json()))
-    assert j["oracle_label"] == LABEL and j["oracle_acceptance"] == [1.0]
+    assert j["oracle_label"] == KEEP_LABEL and j["oracle_acceptance"] == [1.0]
     assert [(r["concurrency"], r["oracle_acceptance"]) for r in j["rows"]] == [(1, 1.0), (2, 1.0)]
     for r in j["rows"]:
-        assert r["oracle"]["label"] == LABEL and r["oracle"]["reference_misses"] == 0
+        assert r["oracle"]["label"] == KEEP_LABEL and r["oracle"]["coins"] == r["oracle"]["coins_below_p"] > 0
         assert r["decoders"]["mtp"]["acceptance_by_stream"] == [1.0] * r["concurrency"]
         assert r["costs"]["rows"] == r["concurrency"] and "predicted_speedup" in r
         auto = r["decoders"]["auto"]

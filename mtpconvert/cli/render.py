@@ -220,7 +220,7 @@ def oracle_concurrency_table(result, console: Console) -> None:
     table = Table(title=f"Batched MTP vs mlx-lm's BatchGenerator at ORACLE-ACCEPTANCE P (greedy; {result.max_tokens} "
                         f"tokens per stream; {result.to_json()['device']})")
     for col in ("oracle P", "k", "streams", "BatchGenerator tok/s", "plain engine", "MTP tok/s", "speedup", "pred.",
-                "auto tok/s (drafted)", "auto / best", "β / δ / ρ", "accept by stream", "ref. misses"):
+                "auto tok/s (drafted)", "auto / best", "β / δ / ρ", "accept by stream"):
         table.add_column(col, justify="right")
     for r in result.rows:
         c = r.costs
@@ -229,11 +229,10 @@ def oracle_concurrency_table(result, console: Console) -> None:
                       f"{r.predicted():.2f}x",
                       f"{r.auto.run.aggregate_tps:.1f} ({r.auto.run.drafted_steps}/{r.auto.run.steps})",
                       f"{r.auto_vs_best():.2f}", f"{c.beta:.2f} / {c.delta:.2f} / {c.rho:.2f}",
-                      " ".join(f"{a:.0%}" for a in r.mtp.run.acceptance), str(r.reference_misses))
+                      " ".join(f"{a:.0%}" for a in r.mtp.run.acceptance))
     print_whole(table, console)
-    console.print("oracle-acceptance P: each greedy draft replaced by the true next greedy token with probability P, "
-                  "else a wrong one (the head still runs); speedup: MTP ÷ BatchGenerator tok/s; pred.: tokens per "
+    console.print("oracle-acceptance P: each greedy draft the head proposes kept with probability P, else rejected "
+                  "(head, verify pass and undo run as always); speedup: MTP ÷ BatchGenerator tok/s; pred.: tokens per "
                   "row-step ÷ (β + δ + ρ × share of row-steps with a rejection), costs timed over C sequences at "
-                  "one context; auto: DraftPolicy deciding each step on the same oracle drafts (auto / best: over the "
-                  "fastest of BatchGenerator, plain and MTP); ref. misses: streams whose decode parted from the oracle's "
-                  "reference (GPU near-ties: acceptance there is below P)", style="dim")
+                  "one context; auto: DraftPolicy deciding each step under the same oracle (auto / best: over the "
+                  "fastest of BatchGenerator, plain and MTP)", style="dim")

@@ -64,15 +64,16 @@ def head_passes(pending: int, depth: int) -> Tuple[int, int]:
 class BatchedMTP:
     """The batch: its streams, one set of row caches, and ``step``."""
 
-    def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm", draft_hook=None):
+    def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm", keep_hook=None):
         if not isinstance(m.head, MTPHead):
             # the row caches (rowcache.py) hold full attention and GatedDeltaNet state only
             raise ValueError(f"batched MTP runs the Qwen head design; this {m.config.get('model_type')} model's "
                              f"{type(m.head).__name__} decodes one stream at a time")
         prepare_speculative(m, depth, hidden)
         self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
-        # draft_hook(stream id, output position, proposed) -> drafted: replaces greedy drafts (measure/oracle.py)
-        self.draft_hook = draft_hook
+        # keep_hook(stream id, output position) -> bool: whether a greedy row's draft at that position is
+        # kept, in place of its comparison with the verify pass's token (measure/oracle.py's KeepOracle)
+        self.keep_hook = keep_hook
         self.streams: List[Stream] = []
         self.ids: List[int] = []  # caller's id of each row
         self.cache: Optional[list] = None
@@ -216,8 +217,14 @@ class BatchedMTP:
         logits = m.logits(states[1])  # [B, S, V]
         if all(simple(s) for s in rows):  # greedy, no processors: the decision is batched
             next_tokens = mx.argmax(logits, axis=-1)  # [B, S]
-            ok = (drafts == next_tokens[:, :k]) & mx.array(drafting)[:, None]
+            if self.keep_hook is None:
+                ok = (drafts == next_tokens[:, :k]) & mx.array(drafting)[:, None]
+            else:
+                ok = mx.array([[drafting[r] and bool(self.keep_hook(self.ids[r], len(s.out) + j)) for j in range(k)]
+                               for r, s in enumerate(rows)])
             n_acc = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)
+        elif self.keep_hook is not None:
+            raise ValueError("keep_hook decides greedy rows without logits processors only")
         else:
             n_acc, next_tokens = [], []
             for r, s in enumerate(rows):
@@ -280,7 +287,7 @@ class BatchedMTP:
                 x = m.head(x, m.embed(cols[-1][:, None]), self.head_cache)
             draft_logits = m.logits(x)[:, -1]  # [B, V]
             if batched:
-                cols.append(self._hooked(mx.argmax(draft_logits, axis=-1), drafting, j))
+                cols.append(mx.argmax(draft_logits, axis=-1))
                 continue
             col = []
             for r, s in enumerate(rows):
@@ -293,17 +300,9 @@ class BatchedMTP:
                 else:
                     q_rows[r].append(s.sampling.probs(lg[0]))
                     col.append(categorical(q_rows[r][-1], draw_key(s.seed, len(s.out) + j, "draft")))
-            cols.append(self._hooked(mx.stack(col), drafting, j))
+            cols.append(mx.stack(col))
         q = [mx.stack(qr) if qr else None for qr in q_rows]
         return mx.stack(cols, axis=1), q
-
-    def _hooked(self, col: mx.array, drafting: List[bool], j: int) -> mx.array:
-        """Draft column j [B] after ``draft_hook`` (greedy drafting rows only; none: unchanged)."""
-        if self.draft_hook is None:
-            return col
-        rows = self.streams
-        return mx.stack([self.draft_hook(self.ids[r], len(s.out) + j, col[r])
-                         if drafting[r] and s.sampling.greedy else col[r] for r, s in enumerate(rows)])
 
 
 @dataclass
@@ -339,18 +338,18 @@ def warm_up(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm") -> Li
 
 def run_batch(
     m: MTPModel, streams: Sequence[Stream], depth: int = 1, mode: str = "mtp", join_at: Optional[Sequence[int]] = None,
-    hidden: str = "post-norm", policy=None, draft_hook=None,
+    hidden: str = "post-norm", policy=None, keep_hook=None,
 ) -> BatchedMTP:
     """Decode ``streams`` together until all are done. Stream i joins before step ``join_at[i]``
     (default 0) and leaves after the step that finishes it. ``mode``: "mtp" (rows draft as their
     ``draft`` flag says), "plain" (no row drafts: the plain batched engine), "auto" (``policy``
-    decides per step). ``draft_hook``: see ``BatchedMTP``. Returns the engine (its ``log``; the streams hold
+    decides per step). ``keep_hook``: see ``BatchedMTP``. Returns the engine (its ``log``; the streams hold
     their tokens)."""
     if mode not in ("mtp", "plain", "auto"):
         raise ValueError(f"mode must be mtp, plain or auto, not {mode!r}")
     if mode == "auto" and policy is None:
         policy = DraftPolicy()
-    engine = BatchedMTP(m, depth, hidden, draft_hook=draft_hook)
+    engine = BatchedMTP(m, depth, hidden, keep_hook=keep_hook)
     join_at = list(join_at) if join_at is not None else [0] * len(streams)
     waiting = sorted(range(len(streams)), key=lambda i: join_at[i])
     step, decided = 0, None  # decided: the policy's choice for this step, made during the last one

@@ -18,6 +18,17 @@ same coin flips, so the same accepted pattern and pass shapes) until the two agr
 ends. ``OracleStats`` counts what happened, and the JSON reports how many decodes still parted
 from their reference (``reference_misses``): there measured acceptance is below P.
 
+Batched decoding (``KeepOracle``, ``oracle_batch.py``) sets the acceptance itself instead: the
+head's draft at output position ``i`` of stream ``s`` is kept when the coin for (s, i) falls below P
+and rejected otherwise, in place of its comparison with the verify pass's token; the token after
+the kept drafts is the verify pass's own greedy choice. No reference is needed, so no decode can part
+from one: ``auto`` mixes 1-token steps and ``(k+1)``-token verify passes in an order its timings
+decide, so on a GPU its decode rounds near-ties of a random-weight model differently from run to run,
+and under replacement its acceptance fell to 0-11% at 8 streams of the 27B shape (P = 0.8). The costs
+are the runtime's own as before (head, verify pass, undo of each rejection); the emitted tokens are no
+longer the plain greedy decode but the kept drafts and the verify pass's tokens after them, which on
+a random-weight model costs the same.
+
 The coin for position ``i`` of stream ``s`` is a hash of (seed, s, i), so warm-up and timed runs,
 and every decoder, see the same choices. Greedy decoding only (a sampled draft's probability
 ``q(d)`` would no longer describe the token drafted).
@@ -34,6 +45,9 @@ import mlx.core as mx
 LABEL = ("oracle-acceptance P: each greedy draft replaced by the true next greedy token with "
          "probability P, else by a wrong token; the head still runs (its cost is real), acceptance "
          "is set by P, not by the head")
+KEEP_LABEL = ("oracle-acceptance P: each greedy draft the head proposes is kept with probability P, else "
+              "rejected, in place of its comparison with the verify pass's token; head, verify pass and undo "
+              "are the runtime's own (their cost is real), acceptance is set by P, not by the head")
 
 
 def coin(seed: int, stream: int, position: int) -> float:
@@ -95,10 +109,6 @@ class Oracle:
         """The single-stream hook ``(position, proposed) -> drafted`` of ``mtp_generate``."""
         return lambda position, proposed: self.replace(stream, position, proposed)
 
-    def batch_hook(self) -> Callable[[int, int, mx.array], mx.array]:
-        """The batched hook ``(stream id, position, proposed) -> drafted`` of ``run_batch``."""
-        return self.replace
-
     def refine(self, stream: int, decoded: Sequence[int]) -> bool:
         """After a warm-up decode of ``stream``: if it parted from the reference, make its tokens the
         reference (keeping the old tail past its end). Returns True when it had parted."""
@@ -113,3 +123,27 @@ class Oracle:
 def parted(reference: Sequence[int], decoded: Sequence[int]) -> bool:
     n = min(len(reference), len(decoded))
     return list(reference[:n]) != list(decoded[:n])
+
+
+@dataclass
+class KeepOracle:
+    """Keep each greedy draft of the batched engine with probability ``p`` (``run_batch``'s ``keep_hook``)."""
+
+    p: float
+    seed: int = 0
+    coins: int = 0  # drafts decided (a draft after a rejected one is decided too, and discarded)
+    below: int = 0  # of them, kept
+
+    def __post_init__(self):
+        if not 0.0 <= self.p <= 1.0:
+            raise ValueError(f"oracle acceptance must be in [0, 1], not {self.p}")
+
+    def keeps(self, stream: int, position: int) -> bool:
+        """Whether the draft at output ``position`` of ``stream`` is kept (counted)."""
+        keep = coin(self.seed, stream, position) < self.p
+        self.coins += 1
+        self.below += keep
+        return keep
+
+    def to_json(self) -> dict:
+        return {"coins": self.coins, "coins_below_p": self.below, "label": KEEP_LABEL}

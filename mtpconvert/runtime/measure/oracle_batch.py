@@ -1,21 +1,19 @@
 """`bench --concurrency ... --oracle-acceptance P`: batched MTP at a set acceptance against BatchGenerator.
 
-For each depth k, concurrency C and oracle acceptance P (``measure/oracle.py``), C greedy streams
-start together (stream i takes prompt i mod the prompts given) and decode ``max_tokens`` each with:
+For each depth k, concurrency C and oracle acceptance P (``measure/oracle.py``'s ``KeepOracle``), C
+greedy streams start together (stream i takes prompt i mod the prompts given) and decode
+``max_tokens`` each with:
 
 ``batchgen``  mlx-lm's ``BatchGenerator`` (the baseline every speedup divides by);
 ``plain``     our batched engine with drafting off;
-``mtp``       our batched engine, every row drafting every step, each greedy draft replaced by the
-              true next greedy token with probability P (the head still runs);
-``auto``      our batched engine under ``DraftPolicy`` with the same oracle drafts: whether the policy
+``mtp``       our batched engine, every row drafting every step, each draft kept with probability P
+              (the head, the verify pass and the undo run as always);
+``auto``      our batched engine under ``DraftPolicy`` with the same oracle: whether the policy
               finds, at model scale, where drafting pays. Its policy is warmed by one untimed run at
               that P and kept for the timed one, as ``bench --concurrency`` keeps it.
 
 ``batchgen`` and ``plain`` do not depend on P: they are timed once per (k, C) and shared by that
-level's P rows. Each decoder runs once untimed first (kernels compile per shape). The oracle's
-reference for stream i is the plain engine's own greedy decode at this C (the same batch, so the
-same rounding), continued by mlx-lm's solo decode past ``max_tokens`` (the lookahead of the last
-step); the warm-up ``mtp`` runs refine it where they part from it (GPU near-ties). Step costs β, δ, ρ
+level's P rows. Each decoder runs once untimed first (kernels compile per shape). Step costs β, δ, ρ
 are timed with ``measure_step_costs(rows=C)``: C sequences at the same context, stock caches, the
 floor of the engine's own passes; the predicted speedup is tokens per row-step / (β + δ + r·ρ)
 against one stock ``(C, 1)`` decode step, BatchGenerator's step.
@@ -35,7 +33,7 @@ from ..decoding.sampling import Sampling
 from .baseline import mlx_lm_generate
 from .batch_bench import BASELINE, DecoderRun, batchgen_decode
 from .bench import StepCosts, measure_step_costs
-from .oracle import LABEL, Oracle, OracleStats, parted
+from .oracle import KEEP_LABEL, KeepOracle
 
 
 @dataclass
@@ -47,9 +45,11 @@ class EngineRun:
 
 
 def engine_run(m: MTPModel, prompts: Sequence[Sequence[int]], max_tokens: int, depth: int, mode: str,
-               hidden: str, seed: int, hook=None, policy: Optional[DraftPolicy] = None) -> EngineRun:
+               hidden: str, seed: int, oracle: Optional[KeepOracle] = None,
+               policy: Optional[DraftPolicy] = None) -> EngineRun:
     streams = [Stream(list(p), max_tokens, sampling=Sampling(), seed=seed + i) for i, p in enumerate(prompts)]
-    engine = run_batch(m, streams, depth, mode, hidden=hidden, draft_hook=hook, policy=policy)
+    engine = run_batch(m, streams, depth, mode, hidden=hidden, policy=policy,
+                       keep_hook=oracle.keeps if oracle is not None else None)
     run = DecoderRun([s.out for s in streams], [s.first_token_s for s in streams], [s.done_s for s in streams],
                      steps=len(engine.log), drafted_steps=sum(r.drafted for r in engine.log),
                      accepted=[sum(s.stats.accepted) for s in streams],
@@ -74,8 +74,7 @@ class OracleConcurrencyRow:
     auto: EngineRun
     policy: DraftPolicy
     costs: StepCosts
-    stats: OracleStats
-    reference_misses: int  # streams whose timed decode parted from the oracle's reference
+    oracle: KeepOracle  # its coins counted over the timed mtp run
     plain_matches_batchgen: bool
 
     def speedup(self, decoder: str = "mtp") -> float:
@@ -106,7 +105,7 @@ class OracleConcurrencyRow:
             "speedup_plain_engine": round(self.plain.run.aggregate_tps / self.batchgen.aggregate_tps, 3)
             if self.batchgen.aggregate_tps else 0.0,
             "costs": self.costs.to_json(), "predicted_speedup": round(self.predicted(), 3),
-            "oracle": dict(self.stats.to_json(), reference_misses=self.reference_misses, label=LABEL),
+            "oracle": self.oracle.to_json(),
             "greedy_plain_engine_identical_to_batchgen": self.plain_matches_batchgen,
         }
 
@@ -123,44 +122,33 @@ class OracleConcurrencyResult:
     def to_json(self) -> dict:
         return {"path": self.path, "sampling": "greedy", "max_tokens": self.max_tokens, "prompts": self.prompts,
                 "device": str(mx.default_device()), "baseline": BASELINE, "oracle_acceptance": list(self.oracle),
-                "oracle_label": LABEL, "rows": [r.to_json() for r in self.rows], **self.extra}
+                "oracle_label": KEEP_LABEL, "rows": [r.to_json() for r in self.rows], **self.extra}
 
 
 def bench_concurrency_oracle(
     m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], oracle: Sequence[float],
     max_tokens: int = 64, depths: Sequence[int] = (1,), seed: int = 0, hidden: str = "post-norm",
-    on_tokens: Optional[Callable[[int], None]] = None, refine: int = 4,
+    on_tokens: Optional[Callable[[int], None]] = None,
 ) -> OracleConcurrencyResult:
     result = OracleConcurrencyResult(path, max_tokens, len(encoded), tuple(oracle))
-    vocab = m.lm.args.vocab_size
-    solo = [mlx_lm_generate(m, ids, max_tokens + max(depths))[0] for ids in encoded]
-    cost_context = list(encoded[0]) + solo[0][: max_tokens // 2]
+    cost_context = list(encoded[0]) + mlx_lm_generate(m, encoded[0], max_tokens // 2)[0]
     for depth in depths:
         for c in concurrency:
             prompts = [encoded[i % len(encoded)] for i in range(c)]
             costs = measure_step_costs(m, cost_context, depth, rows=c)
             batchgen_decode(m, prompts, max_tokens, Sampling(), seed)  # warm-ups
-            warm = engine_run(m, prompts, max_tokens, depth, "plain", hidden, seed)
-            refs = {i: list(t) + solo[i % len(encoded)][len(t):] for i, t in enumerate(warm.run.tokens)}
-            oracles = {}
-            for p in oracle:
-                o = oracles[p] = Oracle(p, vocab, {i: list(r) for i, r in refs.items()}, seed)
-                for _ in range(refine + 1):
-                    out = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o.batch_hook())
-                    if not [o.refine(i, t) for i, t in enumerate(out.run.tokens)].count(True):
-                        break
+            engine_run(m, prompts, max_tokens, depth, "plain", hidden, seed)
+            engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, KeepOracle(oracle[0], seed))
             batchgen = batchgen_decode(m, prompts, max_tokens, Sampling(), seed)
             plain = engine_run(m, prompts, max_tokens, depth, "plain", hidden, seed)
             for p in oracle:
-                o = oracles[p]
                 policy = DraftPolicy()
-                engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, o.batch_hook(), policy)  # warms it
-                auto = engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, o.batch_hook(), policy)
-                o.stats = OracleStats()
-                mtp = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o.batch_hook())
-                misses = sum(parted(o.references[i], t) for i, t in enumerate(mtp.run.tokens))
-                result.rows.append(OracleConcurrencyRow(c, depth, p, batchgen, plain, mtp, auto, policy, costs, o.stats,
-                                                        misses, batchgen.tokens == plain.run.tokens))
+                engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, KeepOracle(p, seed), policy)  # warms it
+                auto = engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, KeepOracle(p, seed), policy)
+                o = KeepOracle(p, seed)
+                mtp = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o)
+                result.rows.append(OracleConcurrencyRow(c, depth, p, batchgen, plain, mtp, auto, policy, costs, o,
+                                                        batchgen.tokens == plain.run.tokens))
                 if on_tokens:
                     on_tokens(mtp.run.generated + auto.run.generated + 2 * c)
             if on_tokens:
