@@ -536,6 +536,24 @@ def test_draft_policy_spaces_expensive_probes():
     assert gaps[0.3][0] < gaps[0.1][0]
 
 
+def test_draft_policy_costs_a_kind_by_its_median_step():
+    """Drafting steps that alternate 3 and 5 ms cost 4 ms a step: at 1.75 tokens per row that is 1,750
+    tok/s against 2,000 for 2 ms plain steps, so plain wins; costed by its fastest step (3 ms) drafting
+    would look faster (2,333 tok/s)."""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
+
+    engine = fake_engine(4)
+    policy = DraftPolicy()
+    for t in (0.003, 0.005) * 4:
+        policy.observe(engine, StepLog(list(range(4)), [1, 1, 1, 0], True, t, head_width=2))
+    for _ in range(3):
+        policy.observe(engine, StepLog(list(range(4)), [-1] * 4, False, 0.002))
+    assert policy.seconds(4, True) == pytest.approx(0.004)
+    draft_rate, plain_rate = policy.predicted_rates(4, 4)
+    assert draft_rate == pytest.approx(1750) and plain_rate == pytest.approx(2000)
+    assert sum(policy.choose(engine) for _ in range(40)) <= 3  # a probe at most
+
+
 def test_draft_policy_does_not_time_a_catch_up_step():
     """The first drafting step after plain steps reads the whole plain stretch: slow, and not a step cost."""
     from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
