@@ -160,10 +160,10 @@ def stage_batched(args, m, ids) -> dict:
             if not cuda_qmv.available():
                 continue
             out["calibration"] = cuda_qmv.enable(m.model, m.head, rows=list(range(2, 9)))
-        j = _timed(label, lambda: bench_concurrency_oracle(m, f"synthetic:{args.model}", ids, args.concurrency,
-                                                           args.oracle, max_tokens=args.max_tokens,
-                                                           depths=args.depth))
-        for r in j["rows"]:
+        done, start = [], time.perf_counter()  # rows so far, logged and written as each ends: a cut run keeps them
+
+        def on_row(row, label=label, done=done):
+            r = row.to_json()
             d = r["decoders"]
             log(f"[{label}] k={r['depth']} C={r['concurrency']} P={r['oracle_acceptance']}: BatchGenerator "
                 f"{d['batchgen']['aggregate_tok_per_s']} plain {d['plain']['aggregate_tok_per_s']} MTP "
@@ -171,7 +171,13 @@ def stage_batched(args, m, ids) -> dict:
                 f" β {r['costs']['beta']} δ {r['costs']['delta']}, accept {d['mtp']['acceptance_by_stream']}; auto "
                 f"{d['auto']['aggregate_tok_per_s']} tok/s ({d['auto']['drafted_steps']}/{d['auto']['steps']} drafted), "
                 f"auto / best {r['auto_vs_best']}, policy {d['auto']['policy_step_ms']} "
-                f"tokens/row {d['auto']['policy_tokens_per_row']}")
+                f"tokens/row {d['auto']['policy_tokens_per_row']} ({time.perf_counter() - start:.0f} s)")
+            done.append(r)
+            _write(args, "batched.json", dict(out, runs=out["runs"] + [{"kernel": label, "rows": done, "partial": True}]))
+
+        j = _timed(label, lambda: bench_concurrency_oracle(m, f"synthetic:{args.model}", ids, args.concurrency,
+                                                           args.oracle, max_tokens=args.max_tokens,
+                                                           depths=args.depth, on_row=on_row))
         out["runs"].append(j)
         _write(args, "batched.json", out)
     return out

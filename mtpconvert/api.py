@@ -386,7 +386,8 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
     number of concurrent streams, for the first of ``hiddens``
     (``runtime.measure.batch_bench.ConcurrencyResult``). ``oracle`` (acceptance rates P, greedy only):
     every row runs once per P with each draft replaced by the true greedy token with probability P
-    (``runtime.measure.oracle``; with ``concurrency``: ``oracle_batch.OracleConcurrencyResult``).
+    (``runtime.measure.oracle``; with ``concurrency`` each draft is kept with probability P instead:
+    ``oracle_batch.OracleConcurrencyResult``).
     ``cuda_qmv``: on a CUDA device, the multi-row quantized matvec where it measures faster
     (``runtime.decoding.cuda_qmv``)."""
     from .runtime.decoding.sampling import Sampling

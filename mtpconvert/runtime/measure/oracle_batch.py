@@ -128,8 +128,9 @@ class OracleConcurrencyResult:
 def bench_concurrency_oracle(
     m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], oracle: Sequence[float],
     max_tokens: int = 64, depths: Sequence[int] = (1,), seed: int = 0, hidden: str = "post-norm",
-    on_tokens: Optional[Callable[[int], None]] = None,
+    on_tokens: Optional[Callable[[int], None]] = None, on_row: Optional[Callable[[OracleConcurrencyRow], None]] = None,
 ) -> OracleConcurrencyResult:
+    """Every (depth, C, P) row as described in the module doc; ``on_row(row)`` as each is done."""
     result = OracleConcurrencyResult(path, max_tokens, len(encoded), tuple(oracle))
     cost_context = list(encoded[0]) + mlx_lm_generate(m, encoded[0], max_tokens // 2)[0]
     for depth in depths:
@@ -149,6 +150,8 @@ def bench_concurrency_oracle(
                 mtp = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o)
                 result.rows.append(OracleConcurrencyRow(c, depth, p, batchgen, plain, mtp, auto, policy, costs, o,
                                                         batchgen.tokens == plain.run.tokens))
+                if on_row:
+                    on_row(result.rows[-1])
                 if on_tokens:
                     on_tokens(mtp.run.generated + auto.run.generated + 2 * c)
             if on_tokens:
