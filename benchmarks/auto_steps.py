@@ -1,6 +1,8 @@
 """Where an ``auto`` batched decode's time goes: every step of a timed run (after the same warm-up
 ``bench --concurrency`` does), with its batch size, whether it drafted, the head's pass width and
-its wall time; slow steps (> 3x the median of their kind) are listed.
+its wall time; slow steps (> 3x the median of their kind) are listed, the steps are summed by
+switch (a plain step after a drafting one, ...) beside the run's wall time, and each ``auto`` run
+prints what its policy decided from.
 
     python benchmarks/auto_steps.py OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--repeat 2] [--json out.json]
 """

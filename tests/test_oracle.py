@@ -85,7 +85,7 @@ def test_head_still_runs_under_the_oracle(dense, monkeypatch):
     assert len(calls) == st.steps  # one head call per step (depth 1)
 
 
-def test_batched_keep_oracle_sets_acceptance_and_decides_nothing_else(dense):
+def test_batched_keep_oracle_keeps_drafts_by_coin(dense):
     """The batched oracle keeps a draft when its coin is below P: the drafts kept per step are the
     leading kept coins of that step's drafts, asked at the step's output positions; P = 0 gives the
     plain greedy decode and P = 1 keeps every draft."""
@@ -144,7 +144,10 @@ def test_oracle_needs_greedy(dense):
 
 def test_batched_oracle_bench_json(dense):
     path, m, prompts, _ = dense
-    res = bench_concurrency_oracle(m, str(path), prompts[:2], [1, 2], oracle=(1.0,), max_tokens=10, depths=(1,))
+    done = []
+    res = bench_concurrency_oracle(m, str(path), prompts[:2], [1, 2], oracle=(1.0,), max_tokens=10, depths=(1,),
+                                   on_row=done.append)
+    assert done == res.rows  # each row handed over as it ends
     j = json.loads(json.dumps(res.to_json()))
     assert j["oracle_label"] == KEEP_LABEL and j["oracle_acceptance"] == [1.0]
     assert [(r["concurrency"], r["oracle_acceptance"]) for r in j["rows"]] == [(1, 1.0), (2, 1.0)]
