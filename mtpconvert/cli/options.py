@@ -66,7 +66,8 @@ Concurrency = Annotated[Optional[str], typer.Option(
 OracleAcceptance = Annotated[Optional[List[float]], typer.Option(
     "--oracle-acceptance", help="Replace each greedy draft by the true next greedy token with probability P (else "
     "a wrong one; with --concurrency: keep each draft with probability P): MTP measured at acceptance P on any "
-    "model, random weights too; the head still runs. Repeatable; every table row and JSON row is labelled with P.", show_default=False, metavar="P")]
+    "model, random weights too; the head still runs. Repeatable; every table row and JSON row is labelled with P.",
+    show_default=False, metavar="P")]
 CudaQmv = Annotated[bool, typer.Option(
     "--cuda-qmv", help="On a CUDA device: use mtpconvert's multi-row 4-bit quantized matvec for the verify passes "
     "where it measures faster than MLX's and within tolerance (docs/runtime.md).")]
