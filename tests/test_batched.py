@@ -521,6 +521,31 @@ def test_draft_policy_sees_a_small_drafting_edge_through_acceptance_noise():
     assert not any(share > 0.5 for share in behind), sorted(behind)
 
 
+def test_draft_policy_charges_the_way_back_from_a_probe_to_the_budget():
+    """Drafting wins (12 ms steps against 10 ms plain, 1.75 tokens per row); after a plain probe the
+    first drafting step catches the head up over the probe's steps (4 ms each). That step's extra over
+    a drafting step is part of what the probe cost, so probe steps and catch-ups together stay within
+    budget x the time on the winner, plus one probe with its catch-up."""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy
+
+    policy = DraftPolicy(budget=0.03)
+    chosen, cost = simulate_policy(policy, 0.012, 4000, catch_up_per_step=0.004)
+    rate = 1.75 * 4 / 0.012
+    probes, loss, on_winner = [], 0.0, 0.0
+    for i in range(7, len(chosen)):
+        if not chosen[i]:  # a probe step: what it lost against drafting for its tokens
+            if chosen[i - 1]:
+                probes.append(0.0)
+            probes[-1] += cost[i][0] - cost[i][1] / rate
+        elif not chosen[i - 1]:  # the way back: the catch-up's extra over a drafting step
+            probes[-1] += cost[i][0] - 0.012
+            on_winner += 0.012
+        else:
+            on_winner += cost[i][0]
+    assert len(probes) >= 3
+    assert sum(probes) <= policy.budget * on_winner + max(probes), (sum(probes), policy.budget * on_winner)
+
+
 def test_draft_policy_spaces_expensive_probes():
     """A drafting probe after a long plain stretch pays the head's catch-up over it: the more a probe
     loses, the longer the next one waits (the intervals grow), and with a larger budget probes come

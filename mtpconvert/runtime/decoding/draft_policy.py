@@ -36,7 +36,9 @@ class DraftPolicy:
     first timings count as one, at the loser's timed cost: a compile is not a probe's loss),
     times ``budget``, covers what that probe lost — its steps' time minus the time the winner
     would have taken for the same tokens, a drafting probe's catch-up of the whole plain stretch
-    included — and never within ``min_interval`` decisions of it. Exploring so costs at most about
+    included, and the way back: the first step of the winner after it, beyond a step of the
+    winner's cost (a drafting step's catch-up over a plain probe, the first plain step after a
+    drafting one) — and never within ``min_interval`` decisions of it. Exploring so costs at most about
     ``budget`` of the decode time, however expensive a probe is on the machine.
     """
 
@@ -55,6 +57,7 @@ class DraftPolicy:
         self.since_probe = 0.0  # seconds spent on the winner since then
         self.last_probe = 0  # decision count when the last probe started
         self.probes = 0  # probes started
+        self.previous: Optional[bool] = None  # the kind of the last step observed
 
     def seconds(self, B: int, drafted: bool) -> Optional[float]:
         """The step cost of one kind at batch size B, or None until it was timed ``probe_steps`` times."""
@@ -119,6 +122,7 @@ class DraftPolicy:
             self.tokens_per_row = 1 + sum(self.accepted) / len(self.accepted)
         drafting = sum(a >= 0 for a in record.accepted) or B
         rates = self.predicted_rates(B, drafting)
+        switched, self.previous = self.previous is not None and self.previous != record.drafted, record.drafted
         if rates is None:  # still taking the first timings
             self.first_steps[record.drafted] += 1
             return
@@ -128,7 +132,13 @@ class DraftPolicy:
             loser_tokens = drafting * self.tokens_per_row + B - drafting if not winner else B
             self.probe_loss += self.first_steps[not winner] * max(loser_cost - loser_tokens / winner_rate, 0.0)
             self.first_steps = None
-        if record.drafted == winner:
+        if record.drafted == winner and switched:
+            # the way back from the loser (the first plain step after drafting, or a drafting step's
+            # catch-up over the plain steps): its extra over a step of the winner is exploring's too
+            winner_cost = self.costs(B)[0 if winner else 1]
+            self.probe_loss += max(record.seconds - winner_cost, 0.0)
+            self.since_probe += min(record.seconds, winner_cost)
+        elif record.drafted == winner:
             self.since_probe += record.seconds
         else:  # what this step lost against the winner for the same tokens
             self.probe_loss += max(record.seconds - (B + sum(kept)) / winner_rate, 0.0)
