@@ -546,6 +546,22 @@ def test_draft_policy_charges_the_way_back_from_a_probe_to_the_budget():
     assert sum(probes) <= policy.budget * on_winner + max(probes), (sum(probes), policy.budget * on_winner)
 
 
+def test_draft_policy_charges_a_switch_but_not_a_join():
+    """The first drafting step after a plain one costs the budget its extra over a drafting step; the
+    same step after rows joined reads their prompts, which no choice of kind would have avoided."""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
+
+    engine = fake_engine(4)
+    for after_join, charged in ((False, 0.038), (True, 0.0)):
+        policy = DraftPolicy()
+        for _ in range(3):
+            policy.observe(engine, StepLog(list(range(4)), [1, 1, 1, 0], True, 0.012, head_width=2))
+            policy.observe(engine, StepLog(list(range(4)), [-1] * 4, False, 0.010))
+        before = policy.probe_loss
+        policy.observe(engine, StepLog(list(range(4)), [1, 1, 1, 0], True, 0.050, head_width=40, after_join=after_join))
+        assert policy.probe_loss - before == pytest.approx(charged)
+
+
 def test_draft_policy_spaces_expensive_probes():
     """A drafting probe after a long plain stretch pays the head's catch-up over it: the more a probe
     loses, the longer the next one waits (the intervals grow), and with a larger budget probes come

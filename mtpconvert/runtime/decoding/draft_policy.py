@@ -122,7 +122,9 @@ class DraftPolicy:
             self.tokens_per_row = 1 + sum(self.accepted) / len(self.accepted)
         drafting = sum(a >= 0 for a in record.accepted) or B
         rates = self.predicted_rates(B, drafting)
-        switched, self.previous = self.previous is not None and self.previous != record.drafted, record.drafted
+        # a step after a join reads the new prompts: its cost is the join's, not a switch's
+        switched = self.previous is not None and self.previous != record.drafted and not record.after_join
+        self.previous = record.drafted
         if rates is None:  # still taking the first timings
             self.first_steps[record.drafted] += 1
             return
