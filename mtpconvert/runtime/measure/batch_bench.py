@@ -133,6 +133,12 @@ def engine_decode(m: MTPModel, prompts: Sequence[Sequence[int]], max_tokens: int
                       proposed=[sum(s.stats.proposed) for s in streams])
 
 
+def auto_vs_best(auto: float, *fixed: float) -> float:
+    """auto's tok/s over the best fixed choice's (BatchGenerator, plain engine, mtp): 0 when none ran."""
+    best = max(fixed)
+    return auto / best if best else 0.0
+
+
 @dataclass
 class ConcurrencyRow:
     concurrency: int
@@ -145,9 +151,7 @@ class ConcurrencyRow:
         return self.runs[name].aggregate_tps / base if base else 0.0
 
     def auto_vs_best(self) -> float:
-        """auto's aggregate tok/s over the best fixed choice's (BatchGenerator, plain engine, mtp)."""
-        best = max(self.runs[n].aggregate_tps for n in ("batchgen", "plain", "mtp"))
-        return self.runs["auto"].aggregate_tps / best if best else 0.0
+        return auto_vs_best(*(self.runs[n].aggregate_tps for n in ("auto", "batchgen", "plain", "mtp")))
 
     def paired(self, name: str, against: Sequence[str], cpu: bool = False) -> Optional[float]:
         """Median over the rounds of ``name``'s aggregate tok/s (``cpu``: tokens per CPU second) over

@@ -23,8 +23,9 @@ head's draft at output position ``i`` of stream ``s`` is kept when the coin for 
 and rejected otherwise, in place of its comparison with the verify pass's token; the token after
 the kept drafts is the verify pass's own greedy choice. No reference is needed, so no decode can part
 from one: ``auto`` mixes 1-token steps and ``(k+1)``-token verify passes in an order its timings
-decide, so on a GPU its decode rounds near-ties of a random-weight model differently from run to run,
-and under replacement its acceptance fell to 0-11% at 8 streams of the 27B shape (P = 0.8). The costs
+decide, so on a GPU its decode rounds near-ties of a random-weight model differently from any
+warm-up's (a replaced draft then measured 0-11% acceptance at 8 streams of the 27B shape, P = 0.8:
+docs/runtime.md). The costs
 are the runtime's own as before (head, verify pass, undo of each rejection); the emitted tokens are no
 longer the plain greedy decode but the kept drafts and the verify pass's tokens after them, which on
 a random-weight model costs the same.
@@ -56,6 +57,11 @@ def coin(seed: int, stream: int, position: int) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
+def check_acceptance(p: float) -> None:
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"oracle acceptance must be in [0, 1], not {p}")
+
+
 @dataclass
 class OracleStats:
     true: int = 0  # drafts replaced by the reference token
@@ -77,8 +83,7 @@ class Oracle:
     stats: OracleStats = field(default_factory=OracleStats)
 
     def __post_init__(self):
-        if not 0.0 <= self.p <= 1.0:
-            raise ValueError(f"oracle acceptance must be in [0, 1], not {self.p}")
+        check_acceptance(self.p)
 
     def token(self, stream: int, position: int) -> Optional[int]:
         """The token the oracle drafts at output ``position`` of ``stream`` (None: past the reference)."""
@@ -135,8 +140,7 @@ class KeepOracle:
     below: int = 0  # of them, kept
 
     def __post_init__(self):
-        if not 0.0 <= self.p <= 1.0:
-            raise ValueError(f"oracle acceptance must be in [0, 1], not {self.p}")
+        check_acceptance(self.p)
 
     def keeps(self, stream: int, position: int) -> bool:
         """Whether the draft at output ``position`` of ``stream`` is kept (counted)."""

@@ -31,7 +31,7 @@ from ..decoding.draft_policy import DraftPolicy
 from ..decoding.load import MTPModel
 from ..decoding.sampling import Sampling
 from .baseline import mlx_lm_generate
-from .batch_bench import BASELINE, DecoderRun, batchgen_decode
+from .batch_bench import BASELINE, DecoderRun, auto_vs_best, batchgen_decode
 from .bench import StepCosts, measure_step_costs
 from .oracle import KEEP_LABEL, KeepOracle
 
@@ -82,9 +82,8 @@ class OracleConcurrencyRow:
         return getattr(self, decoder).run.aggregate_tps / base if base else 0.0
 
     def auto_vs_best(self) -> float:
-        """auto's tok/s over the best fixed choice's (BatchGenerator, plain, mtp)."""
-        best = max(self.batchgen.aggregate_tps, self.plain.run.aggregate_tps, self.mtp.run.aggregate_tps)
-        return self.auto.run.aggregate_tps / best if best else 0.0
+        return auto_vs_best(self.auto.run.aggregate_tps, self.batchgen.aggregate_tps, self.plain.run.aggregate_tps,
+                            self.mtp.run.aggregate_tps)
 
     def predicted(self) -> float:
         return self.costs.predicted_speedup(self.mtp.tokens_per_step, self.mtp.reject_share)
