@@ -59,10 +59,12 @@ class DraftPolicy:
         self.probes = 0  # probes started
         self.previous: Optional[bool] = None  # the kind of the last step observed
 
+    step_cost = staticmethod(statistics.median)  # of a kind's last timed steps (see the class)
+
     def seconds(self, B: int, drafted: bool) -> Optional[float]:
         """The step cost of one kind at batch size B, or None until it was timed ``probe_steps`` times."""
         times = self.timed.get((B, drafted))
-        return statistics.median(times) if times and len(times) >= min(self.probe_steps, self.window) else None
+        return self.step_cost(times) if times and len(times) >= min(self.probe_steps, self.window) else None
 
     def costs(self, B: int) -> Optional[Tuple[float, float]]:
         """(drafting step, plain step) seconds at batch size B: as timed, else estimated through the kinds'
@@ -84,7 +86,9 @@ class DraftPolicy:
 
     def predicted_rates(self, B: int, drafting: int) -> Optional[Tuple[float, float]]:
         """(drafting tok/s, plain tok/s) at batch size B, or None until both kinds were measured."""
-        costs = self.costs(B)
+        return self._rates(B, drafting, self.costs(B))
+
+    def _rates(self, B: int, drafting: int, costs: Optional[Tuple[float, float]]) -> Optional[Tuple[float, float]]:
         if costs is None or self.tokens_per_row is None:
             return None
         return (drafting * self.tokens_per_row + B - drafting) / costs[0], B / costs[1]
@@ -121,7 +125,8 @@ class DraftPolicy:
             self.accepted.extend(kept)
             self.tokens_per_row = 1 + sum(self.accepted) / len(self.accepted)
         drafting = sum(a >= 0 for a in record.accepted) or B
-        rates = self.predicted_rates(B, drafting)
+        costs = self.costs(B)
+        rates = self._rates(B, drafting, costs)
         # a step after a join reads the new prompts: its cost is the join's, not a switch's
         switched = self.previous is not None and self.previous != record.drafted and not record.after_join
         self.previous = record.drafted
@@ -130,14 +135,14 @@ class DraftPolicy:
             return
         winner, winner_rate = rates[0] > rates[1], max(rates)
         if self.first_steps is not None:  # the first timings of the loser were a probe too: the budget pays them
-            loser_cost = self.costs(B)[0 if not winner else 1]
+            loser_cost = costs[0 if not winner else 1]
             loser_tokens = drafting * self.tokens_per_row + B - drafting if not winner else B
             self.probe_loss += self.first_steps[not winner] * max(loser_cost - loser_tokens / winner_rate, 0.0)
             self.first_steps = None
         if record.drafted == winner and switched:
             # the way back from the loser (the first plain step after drafting, or a drafting step's
             # catch-up over the plain steps): its extra over a step of the winner is exploring's too
-            winner_cost = self.costs(B)[0 if winner else 1]
+            winner_cost = costs[0 if winner else 1]
             self.probe_loss += max(record.seconds - winner_cost, 0.0)
             self.since_probe += min(record.seconds, winner_cost)
         elif record.drafted == winner:
