@@ -200,3 +200,49 @@ def test_a_worker_killed_outright_is_named_and_the_shards_kept(raw_checkpoints, 
     lines = error_lines(err)
     assert lines[0].startswith("error: a quantization worker process died") and "Traceback" not in err, err
     assert any("resume with: mtpconvert convert" in line for line in lines) and any(records.glob("*.json"))
+
+
+@pytest.mark.parametrize("kind", ["shards", "ranges"])
+def test_an_abandoned_download_logs_nothing_after_the_run(tmp_path, kind):
+    """Ctrl-C abandons the downloads in flight; huggingface_hub's retry loop in their threads then
+    logs the closed connection ("Retrying in 1s") after the run's last line. The library's own handler
+    prints nothing an abandoned thread logs; what the main thread logs still shows."""
+    import io
+    import threading
+
+    from mtpconvert.hub.ranges import RangeStream
+    from mtpconvert.hub.stream import ShardStream
+    from huggingface_hub.utils import logging as hub_logging
+
+    http_log = hub_logging.get_logger("huggingface_hub.utils._http")
+    in_request, abandoned = threading.Event(), threading.Event()
+
+    def request(*_):
+        in_request.set()
+        abandoned.wait(10)
+        http_log.warning("'[Errno 9] Bad file descriptor' thrown while requesting GET shard")
+        raise OSError(9, "Bad file descriptor")
+
+    handler = hub_logging.get_logger().handlers[0]  # the StreamHandler huggingface_hub installs
+    printed = io.StringIO()
+    before = handler.setStream(printed)
+    try:
+        if kind == "shards":
+            stub = tmp_path / "model-00001-of-00001.safetensors"
+            stub.write_bytes(b"")
+            feed = ShardStream([stub], request)
+            threading.Thread(target=lambda: pytest.raises(OSError, feed.ensure, stub), daemon=True).start()
+        else:
+            stub = tmp_path / "model.safetensors"
+            stub.write_bytes(bytes(64))
+            feed = RangeStream(request, window=64)
+            feed.expect([("block", [(str(stub), 8, 64)])])
+        assert in_request.wait(10)
+        feed.abandon()
+        abandoned.set()
+        for t in feed._threads:
+            t.join(10)
+        http_log.warning("main thread: still printed")
+    finally:
+        handler.setStream(before)
+    assert printed.getvalue() == "main thread: still printed\n"

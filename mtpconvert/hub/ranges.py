@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ConvertError
+from ..errors import ConvertError, OptionsError
+from ..logs import mute_abandoned
 
 MAX_REQUEST_BYTES = 16 << 20  # adjacent ranges fetched in one request, up to this much (held in memory meanwhile, twice while it arrives)
 PAGE = 4096  # filesystem block a hole is punched in
@@ -195,10 +196,11 @@ class RangeStream:
                 t.join()
 
     def abandon(self) -> None:
-        """After a failure or Ctrl-C: start no more requests; those in flight end on their own."""
+        """After a failure or Ctrl-C: start no more requests; those in flight end on their own, unheard."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+        mute_abandoned(self._threads)
 
     # -- internals (lock held)
     def _free(self, iv: _Interval) -> None:

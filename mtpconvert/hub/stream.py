@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import ConvertError, OptionsError
+from ..logs import mute_abandoned
 
 DEFAULT_PREFETCH_SHARDS = 1  # raw shards downloaded ahead of the one being read
 
@@ -136,9 +137,11 @@ class ShardStream:
 
     def abandon(self) -> None:
         """After a failure or Ctrl-C: start nothing more and wait for nothing. A download in flight
-        may take minutes; its daemon thread finishes (or ends with the process) on its own."""
+        may take minutes; its daemon thread finishes (or ends with the process) on its own, unheard."""
         with self._lock:
             self._closed = True
+            threads = list(self._threads)
+        mute_abandoned(threads)
 
     # -- internals (lock held)
     def _held(self) -> int:
