@@ -38,12 +38,20 @@ class DraftPolicy:
     would have taken for the same tokens, a drafting probe's catch-up of the whole plain stretch
     included, and the way back: the first step of the winner after it, beyond a step of the
     winner's cost (a drafting step's catch-up over a plain probe, the first plain step after a
-    drafting one) — and never within ``min_interval`` decisions of it. Exploring so costs at most about
-    ``budget`` of the decode time, however expensive a probe is on the machine.
+    drafting one) — and never within ``min_interval`` decisions of it. A drafting probe's catch-up grows
+    with the plain stretch before it, so the last probe's loss does not bound the next one's: the
+    condition counts the next probe's catch-up as predicted, the plain steps since the last drafting
+    step times the head's measured cost per pending pair (the last ``catch_up_window`` catch-ups over at
+    least ``min_interval`` pairs, in plain steps at their batch size), in place of the last catch-up. A
+    shorter catch-up (the way back from a plain probe) is mostly a head pass's fixed cost: on the H200
+    one over 3 pairs cost 0.1-0.4 plain steps a pair, one over 47 pairs 0.02. Where a pair costs more than ``budget`` of a plain step (the
+    2-core CPU: 0.07-0.17 with the text fixtures, whose few layers make one head layer a large share)
+    no stretch pays for its own catch-up and plain runs on without drafting probes. Exploring so costs
+    at most about ``budget`` of the decode time, however expensive a probe is on the machine.
     """
 
     def __init__(self, budget: float = 0.03, min_interval: int = 16, accept_window: int = 64, window: int = 8,
-                 probe_steps: int = 3):
+                 probe_steps: int = 3, catch_up_window: int = 4):
         self.budget, self.min_interval = budget, min_interval
         self.accepted: Deque[int] = deque(maxlen=accept_window)  # drafts kept, per drafting row-step
         self.window, self.probe_steps = window, probe_steps
@@ -53,11 +61,14 @@ class DraftPolicy:
         self.winner: Optional[bool] = None  # the kind predicted faster at the last decision
         self.probing = 0  # probe steps still to choose
         self.probe_loss = 0.0  # seconds the last probe (or the first timings of the loser) lost
+        self.probe_catch_up = 0.0  # the part of probe_loss that its drafting steps' catch-up cost
+        self.catch_up: Deque[float] = deque(maxlen=catch_up_window)  # plain steps per pending pair the head read
         self.first_steps: Optional[Dict[bool, int]] = {True: 0, False: 0}  # steps of each kind before any prediction
         self.since_probe = 0.0  # seconds spent on the winner since then
         self.last_probe = 0  # decision count when the last probe started
         self.probes = 0  # probes started
         self.previous: Optional[bool] = None  # the kind of the last step observed
+        self.plain_run = 0  # plain steps since the last drafting one: the pairs the next drafting step's head catches up
 
     step_cost = staticmethod(statistics.median)  # of a kind's last timed steps (see the class)
 
@@ -109,11 +120,20 @@ class DraftPolicy:
             self.probing -= 1
             return not better
         if (self.decisions - self.last_probe >= self.min_interval
-                and self.since_probe * self.budget >= self.probe_loss):
+                and self.since_probe * self.budget >= self.next_probe_loss(engine, better)):
             self.probing, self.last_probe = self.probe_steps - 1, self.decisions
-            self.probe_loss, self.since_probe, self.probes = 0.0, 0.0, self.probes + 1
+            self.probe_loss, self.probe_catch_up, self.since_probe = 0.0, 0.0, 0.0
+            self.probes += 1
             return not better
         return better
+
+    def next_probe_loss(self, engine, drafting_wins: bool) -> float:
+        """What the next probe is expected to lose: the last one's loss, with a drafting probe's catch-up
+        predicted for the plain stretch since the last drafting step rather than taken from the one before."""
+        if drafting_wins or not self.catch_up:
+            return self.probe_loss
+        per_pair = statistics.median(self.catch_up) * self.costs(len(engine.streams))[1]
+        return self.probe_loss - self.probe_catch_up + per_pair * self.plain_run
 
     def observe(self, engine, record: StepLog) -> None:
         B = len(record.streams)
@@ -130,10 +150,16 @@ class DraftPolicy:
         # a step after a join reads the new prompts: its cost is the join's, not a switch's
         switched = self.previous is not None and self.previous != record.drafted and not record.after_join
         self.previous = record.drafted
+        self.plain_run = 0 if record.drafted else self.plain_run + 1
         if rates is None:  # still taking the first timings
             self.first_steps[record.drafted] += 1
             return
         winner, winner_rate = rates[0] > rates[1], max(rates)
+        catch_up = 0.0  # this step's extra over a drafting step, for the head's pending pairs beyond one step's
+        extra_pairs = record.head_width - engine.depth - 1
+        if record.drafted and extra_pairs >= self.min_interval and not record.after_join:
+            catch_up = max(record.seconds - costs[0], 0.0)
+            self.catch_up.append(catch_up / extra_pairs / costs[1])
         if self.first_steps is not None:  # the first timings of the loser were a probe too: the budget pays them
             loser_cost = costs[0 if not winner else 1]
             loser_tokens = drafting * self.tokens_per_row + B - drafting if not winner else B
@@ -148,13 +174,16 @@ class DraftPolicy:
         elif record.drafted == winner:
             self.since_probe += record.seconds
         else:  # what this step lost against the winner for the same tokens
-            self.probe_loss += max(record.seconds - (B + sum(kept)) / winner_rate, 0.0)
+            lost = max(record.seconds - (B + sum(kept)) / winner_rate, 0.0)
+            self.probe_loss += lost
+            self.probe_catch_up += min(catch_up, lost)
 
     def to_json(self) -> dict:
         """What the policy decided from: its step costs per (B, kind) in ms, the tokens a drafting row
-        emits per step, and how many probes it started."""
+        emits per step, how many probes it started, and the head's catch-up per pending pair in plain steps."""
         costs = {key: self.seconds(*key) for key in sorted(self.timed)}
         return {"policy_step_ms": {f"B={b},{'draft' if d else 'plain'}": round(1e3 * t, 3)
                                    for (b, d), t in costs.items() if t is not None},
                 "policy_tokens_per_row": None if self.tokens_per_row is None else round(self.tokens_per_row, 3),
-                "policy_probes": self.probes}
+                "policy_probes": self.probes,
+                "policy_catch_up_per_pair": round(statistics.median(self.catch_up), 4) if self.catch_up else None}
