@@ -6,16 +6,15 @@ drafting (mtp) and `auto`, auto / best fixed choice, plain / BatchGenerator (eac
 medians, then in brackets the median of the same ratio taken within each round), the same two
 ratios in tokens per CPU second of the process (paired per round: what a decode costs, robust to
 other jobs on a shared machine, blind to overlap), the drafted steps of auto's median run, and
-whether every greedy stream equalled the plain engine's.
+whether every greedy stream equalled the plain engine's. The best fixed choice of a row is the fixed
+decoder (BatchGenerator, plain, mtp) with the best median, one choice for all its rounds
+(``batch_bench.paired_ratio``).
 
-Then one pooled line: geometric means over every round of every row of within-round ratios. "x /
-best in round" divides by the fastest fixed choice of that round; since that maximum picks up the
-round's noise, a fixed decoder scores below 1 against it too, and plain's and BatchGenerator's
-scores are printed beside auto's as the statistic's floor on this machine.
+Then one pooled line: geometric means over every round of every row of within-round ratios.
 
     python benchmarks/batched_auto.py OUT [--variant dense] [--concurrency 1,2,4,8] [--depth 1 --depth 2]
         [--max-tokens 64] [--rounds 3] [--json out.json]
-    python benchmarks/batched_auto.py --pooled RESULT.json [RESULT.json ...]   # the pooled line of saved runs
+    python benchmarks/batched_auto.py --saved RESULT.json [RESULT.json ...]   # the table and pooled line of saved runs
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -31,45 +31,56 @@ import mlx.core as mx
 
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.decoding.load import load
-from mtpconvert.runtime.measure.batch_bench import bench_concurrency
-
-
-def table(result, label: str) -> str:
-    lines = ["| fixture | k | streams | BatchGenerator | plain engine | mtp | auto (drafted steps) | auto / best | "
-             "plain / BatchGenerator | per CPU second: auto / best, plain / BatchGenerator | greedy = plain |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in result.rows:
-        tps = {n: run.aggregate_tps for n, run in r.runs.items()}
-        auto = r.runs["auto"]
-        same = "yes" if all(r.greedy_identical().values()) else "no: " + ",".join(
-            n for n, ok in r.greedy_identical().items() if not ok)
-        paired = (r.paired("auto", ("batchgen", "plain", "mtp")), r.paired("plain", ("batchgen",)))
-        ratios = [f"{a:.2f}" + (f" ({p:.2f})" if p is not None else "")
-                  for a, p in zip((r.auto_vs_best(), r.speedup("plain")), paired)]
-        per_cpu = (r.paired("auto", ("batchgen", "plain", "mtp"), cpu=True), r.paired("plain", ("batchgen",), cpu=True))
-        cpu = ", ".join("-" if x is None else f"{x:.2f}" for x in per_cpu)
-        lines.append(f"| {label} | {r.depth} | {r.concurrency} | {tps['batchgen']:.0f} | {tps['plain']:.0f} | "
-                     f"{tps['mtp']:.0f} | {tps['auto']:.0f} ({auto.drafted_steps}/{auto.steps}) | "
-                     f"{ratios[0]} | {ratios[1]} | {cpu} | {same} |")
-    return "\n".join(lines)
+from mtpconvert.runtime.measure.batch_bench import auto_vs_best, bench_concurrency, paired_ratio
 
 
 FIXED = ("batchgen", "plain", "mtp")
 
 
+def _rounds(row: dict, name: str, cpu: bool = False) -> list:
+    return row["decoders"][name]["tok_per_cpu_s_rounds" if cpu else "aggregate_tok_per_s_rounds"]
+
+
+def table(report: dict, label: str) -> str:
+    """One markdown row per (depth, streams) of a ``bench_concurrency`` JSON report."""
+    lines = ["| fixture | k | streams | BatchGenerator | plain engine | mtp | auto (drafted steps) | auto / best | "
+             "plain / BatchGenerator | per CPU second: auto / best, plain / BatchGenerator | greedy = plain |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in report["rows"]:
+        tps = {n: d["aggregate_tok_per_s"] for n, d in row["decoders"].items()}
+        auto = row["decoders"]["auto"]
+        greedy = row.get("greedy_identical_to_plain_engine", {})
+        same = "yes" if all(greedy.values()) else "no: " + ",".join(n for n, ok in greedy.items() if not ok)
+        cells = []
+        for cpu in (False, True):
+            fixed = {n: _rounds(row, n, cpu) for n in FIXED}
+            cells.append((paired_ratio(_rounds(row, "auto", cpu), fixed),
+                          paired_ratio(_rounds(row, "plain", cpu), {"batchgen": fixed["batchgen"]})))
+        ratios = [f"{a:.2f}" + (f" ({p:.2f})" if p is not None else "")
+                  for a, p in zip((auto_vs_best(tps["auto"], *(tps[n] for n in FIXED)), tps["plain"] / tps["batchgen"]),
+                                  cells[0])]
+        cpu = ", ".join("-" if x is None else f"{x:.2f}" for x in cells[1])
+        lines.append(f"| {label} | {row['depth']} | {row['concurrency']} | {tps['batchgen']:.0f} | {tps['plain']:.0f} | "
+                     f"{tps['mtp']:.0f} | {tps['auto']:.0f} ({auto['drafted_steps']}/{auto['steps']}) | "
+                     f"{ratios[0]} | {ratios[1]} | {cpu} | {same} |")
+    return "\n".join(lines)
+
+
 def pooled(report: dict) -> dict:
     """Geometric means, over every round of every row of a saved ``bench_concurrency`` JSON, of the
-    within-round ratios named by the keys."""
+    within-round ratios named by the keys; "best fixed" is each row's fixed decoder with the best median."""
     ratios: dict = {}
     for row in report["rows"]:
-        rounds = {name: d["aggregate_tok_per_s_rounds"] for name, d in row["decoders"].items()}
+        rounds = {name: _rounds(row, name) for name in row["decoders"]}
+        best = max(FIXED, key=lambda n: statistics.median(rounds[n]))
         for i in range(len(rounds["plain"])):
-            best = max(rounds[n][i] for n in FIXED)
-            pairs = {"auto / plain": rounds["auto"][i] / rounds["plain"][i],
+            pairs = {"auto / best fixed": rounds["auto"][i] / rounds[best][i],
+                     "auto / plain": rounds["auto"][i] / rounds["plain"][i],
                      "auto / BatchGenerator": rounds["auto"][i] / rounds["batchgen"][i],
                      "auto / mtp": rounds["auto"][i] / rounds["mtp"][i],
                      "plain / BatchGenerator": rounds["plain"][i] / rounds["batchgen"][i]}
-            pairs.update({f"{n} / best in round": rounds[n][i] / best for n in ("auto", "plain", "batchgen")})
+            cpu = {name: _rounds(row, name, cpu=True) for name in ("auto", "plain")}
+            pairs["auto / plain per CPU second"] = cpu["auto"][i] / cpu["plain"][i]
             for k, v in pairs.items():
                 ratios.setdefault(k, []).append(math.log(v))
     return {k: round(math.exp(sum(v) / len(v)), 3) for k, v in ratios.items()}
@@ -85,21 +96,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--pooled", type=Path, nargs="+", default=None, help="print the pooled line of saved JSON and exit")
+    ap.add_argument("--saved", type=Path, nargs="+", default=None,
+                    help="print the table (labelled --label) and pooled line of saved JSON and exit")
     args = ap.parse_args(argv)
-    if args.pooled:
-        for f in args.pooled:
-            print(f, pooled(json.loads(f.read_text())))
+    if args.saved:
+        for f in args.saved:
+            report = json.loads(f.read_text())
+            print(table(report, args.label or f.stem), "\npooled:", pooled(report), sep="\n")
         return 0
     m = load(args.folder)
     _, ids, _ = heldout_prompts(text_fixture_path(args.variant), per_file=1, prompt_tokens=32, files=8)
     t0 = time.perf_counter()
     result = bench_concurrency(m, str(args.folder), ids, [int(c) for c in args.concurrency.split(",")],
                                args.max_tokens, args.depth or [1], rounds=args.rounds)
-    print(table(result, args.label or args.variant), flush=True)
-    print(f"({time.perf_counter() - t0:.0f} s; {mx.default_device()}, {platform.node()})", flush=True)
     report = result.to_json()
     report["rounds"] = args.rounds
+    print(table(report, args.label or args.variant), flush=True)
+    print(f"({time.perf_counter() - t0:.0f} s; {mx.default_device()}, {platform.node()})", flush=True)
     print("pooled:", pooled(report), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

@@ -428,6 +428,8 @@ def simulate_policy(policy, draft_seconds, steps, plain_seconds=0.010, catch_up_
             seconds += plain_run * catch_up_per_step
             width = plain_run + 2
         plain_run = 0 if d else plain_run + 1
+        for s in engine.streams:  # the pairs the head reads at the next drafting step
+            s.pend_t = [0] * (plain_run + 2)
         chosen.append(d)
         accepted = [1, 0, 1, 1] if d else [-1] * B
         cost.append((seconds, B + (3 if d else 0)))
@@ -602,7 +604,8 @@ def test_draft_policy_predicts_a_probes_catch_up(catch_up_per_step):
 def test_draft_policy_learns_the_catch_up_per_pair_from_long_catch_ups_only():
     """A catch-up over a few pairs (the way back from a 3-step plain probe) is mostly the head pass's fixed
     cost (on the H200 0.1-0.4 plain steps a pair, against 0.02 over 47 pairs): taken per pair it would
-    stop every later drafting probe. Only catch-ups over at least ``min_interval`` pairs are learnt from."""
+    stop every later drafting probe. Only catch-ups over at least ``min_interval`` pairs are learnt from,
+    a joined row's prompt among them; the next probe is charged for every pair the rows have pending."""
     from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
 
     engine = fake_engine(4)
@@ -612,8 +615,12 @@ def test_draft_policy_learns_the_catch_up_per_pair_from_long_catch_ups_only():
         policy.observe(engine, StepLog(list(range(4)), [-1] * 4, False, 0.010))
     policy.observe(engine, StepLog(list(range(4)), [1, 1, 1, 0], True, 0.016, head_width=5))
     assert not policy.catch_up
-    policy.observe(engine, StepLog(list(range(4)), [1, 1, 1, 0], True, 0.022, head_width=52))
+    policy.observe(engine, StepLog(list(range(4)), [1, 1, 1, 0], True, 0.022, head_width=52, after_join=True))
     assert list(policy.catch_up) == [pytest.approx(0.01 / 50 / 0.010)]
+    for s in engine.streams:  # a row joined with a 40-token prompt: the next drafting step reads it all
+        s.pend_t = [0] * 40
+    expected = policy.probe_loss - policy.probe_catch_up + 0.02 * 0.010 * 38
+    assert policy.next_probe_loss(engine, drafting_wins=False) == pytest.approx(expected)
 
 
 def test_draft_policy_costs_a_kind_by_its_median_step():

@@ -39,13 +39,14 @@ class DraftPolicy:
     included, and the way back: the first step of the winner after it, beyond a step of the
     winner's cost (a drafting step's catch-up over a plain probe, the first plain step after a
     drafting one) — and never within ``min_interval`` decisions of it. A drafting probe's catch-up grows
-    with the plain stretch before it, so the last probe's loss does not bound the next one's: the
-    condition counts the next probe's catch-up as predicted, the plain steps since the last drafting
-    step times the head's measured cost per pending pair (the last ``catch_up_window`` catch-ups over at
-    least ``min_interval`` pairs, in plain steps at their batch size), in place of the last catch-up. A
-    shorter catch-up (the way back from a plain probe) is mostly a head pass's fixed cost: on the H200
-    one over 3 pairs cost 0.1-0.4 plain steps a pair, one over 47 pairs 0.02. Where a pair costs more than ``budget`` of a plain step (the
-    2-core CPU: 0.07-0.17 with the text fixtures, whose few layers make one head layer a large share)
+    with the plain stretch before it (and takes in the prompts of rows that joined since), so the last
+    probe's loss does not bound the next one's: the condition counts the next probe's catch-up as
+    predicted, the pairs the rows have pending beyond one step's times the head's measured cost per
+    pair (the last ``catch_up_window`` catch-ups over at least ``min_interval`` pairs, in plain steps at
+    their batch size), in place of the last catch-up. A shorter catch-up (the way back from a plain
+    probe) is mostly a head pass's fixed cost: on the H200 one over 3 pairs cost 0.1-0.4 plain steps a
+    pair, one over 47 pairs 0.02. Where a pair costs more than ``budget`` of a plain step (the 2-core
+    CPU: 0.07-0.17 with the text fixtures, whose few layers make the head's one layer a large share)
     no stretch pays for its own catch-up and plain runs on without drafting probes. Exploring so costs
     at most about ``budget`` of the decode time, however expensive a probe is on the machine.
     """
@@ -68,7 +69,6 @@ class DraftPolicy:
         self.last_probe = 0  # decision count when the last probe started
         self.probes = 0  # probes started
         self.previous: Optional[bool] = None  # the kind of the last step observed
-        self.plain_run = 0  # plain steps since the last drafting one: the pairs the next drafting step's head catches up
 
     step_cost = staticmethod(statistics.median)  # of a kind's last timed steps (see the class)
 
@@ -129,11 +129,12 @@ class DraftPolicy:
 
     def next_probe_loss(self, engine, drafting_wins: bool) -> float:
         """What the next probe is expected to lose: the last one's loss, with a drafting probe's catch-up
-        predicted for the plain stretch since the last drafting step rather than taken from the one before."""
+        predicted for the pairs the rows have pending now rather than taken from the last stretch."""
         if drafting_wins or not self.catch_up:
             return self.probe_loss
+        pending = max(len(s.pend_t) for s in engine.streams)  # pairs the head reads at the next drafting step
         per_pair = statistics.median(self.catch_up) * self.costs(len(engine.streams))[1]
-        return self.probe_loss - self.probe_catch_up + per_pair * self.plain_run
+        return self.probe_loss - self.probe_catch_up + per_pair * max(pending - engine.depth - 1, 0)
 
     def observe(self, engine, record: StepLog) -> None:
         B = len(record.streams)
@@ -150,14 +151,13 @@ class DraftPolicy:
         # a step after a join reads the new prompts: its cost is the join's, not a switch's
         switched = self.previous is not None and self.previous != record.drafted and not record.after_join
         self.previous = record.drafted
-        self.plain_run = 0 if record.drafted else self.plain_run + 1
         if rates is None:  # still taking the first timings
             self.first_steps[record.drafted] += 1
             return
         winner, winner_rate = rates[0] > rates[1], max(rates)
         catch_up = 0.0  # this step's extra over a drafting step, for the head's pending pairs beyond one step's
         extra_pairs = record.head_width - engine.depth - 1
-        if record.drafted and extra_pairs >= self.min_interval and not record.after_join:
+        if record.drafted and extra_pairs >= self.min_interval:  # after a join too: the head reads a prompt as a stretch
             catch_up = max(record.seconds - costs[0], 0.0)
             self.catch_up.append(catch_up / extra_pairs / costs[1])
         if self.first_steps is not None:  # the first timings of the loser were a probe too: the budget pays them
