@@ -437,10 +437,10 @@ def simulate_policy(policy, draft_seconds, steps, plain_seconds=0.010, catch_up_
     return chosen, cost
 
 
-@pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.05, False), (0.012, True)])
+@pytest.mark.parametrize("draft_seconds,expect_drafting", [(0.019, False), (0.012, True)])
 def test_draft_policy_follows_measured_rates(draft_seconds, expect_drafting):
-    """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 50 ms drafting step loses (140 vs 400
-    tok/s), a 12 ms one wins (583 vs 400), although the first step of each kind is 20x slower. The
+    """4 rows, plain step 10 ms, 1.75 tokens per drafting row: a 19 ms drafting step loses (368 vs 400
+    tok/s; with every draft kept it would win, 421), a 12 ms one wins (583 vs 400), although the first step of each kind is 20x slower. The
     losing kind is still probed, in runs of 3 steps, and exploring costs at most about the budget:
     the first timings of the loser count as a probe (at its timed cost), so the first probe waits until
     budget x the time on the winner covers them; after them the loser's steps lose (against the winner's
@@ -582,7 +582,7 @@ def _probe_losses(chosen, cost, rate):
 
 @pytest.mark.parametrize("catch_up_per_step", [0.0001, 0.0008])
 def test_draft_policy_predicts_a_probes_catch_up(catch_up_per_step):
-    """Plain wins (50 ms drafting steps, 10 ms plain). A drafting probe pays the head's catch-up over the
+    """Plain wins (19 ms drafting steps, 10 ms plain). A drafting probe pays the head's catch-up over the
     plain stretch before it, which grows with the stretch: the policy predicts it from the catch-ups it
     measured. At 1% of a plain step per pair (under the 3% budget) probes go on and, the first aside,
     lose no more than budget x the time on plain; at 8% no stretch pays for its own catch-up and no
@@ -591,7 +591,7 @@ def test_draft_policy_predicts_a_probes_catch_up(catch_up_per_step):
     from mtpconvert.runtime.decoding.batched import DraftPolicy
 
     policy = DraftPolicy(budget=0.03)
-    chosen, cost = simulate_policy(policy, 0.05, 8000, catch_up_per_step=catch_up_per_step)
+    chosen, cost = simulate_policy(policy, 0.019, 8000, catch_up_per_step=catch_up_per_step)
     probes, on_plain = _probe_losses(chosen, cost, 4 / 0.010)
     assert policy.catch_up and statistics.median(policy.catch_up) == pytest.approx(catch_up_per_step / 0.010, rel=0.05)
     if catch_up_per_step < policy.budget * 0.010:
@@ -599,6 +599,17 @@ def test_draft_policy_predicts_a_probes_catch_up(catch_up_per_step):
         assert sum(probes[1:]) <= policy.budget * on_plain, (probes, on_plain)
     else:
         assert len(probes) == 1, probes
+
+
+def test_draft_policy_does_not_probe_drafting_that_cannot_win():
+    """A 50 ms drafting step against 10 ms plain at 4 rows loses even with every draft kept (160 vs 400
+    tok/s at depth 1): after the first timings no drafting probe is spent on it, however cheap."""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy
+
+    chosen, _ = simulate_policy(DraftPolicy(budget=0.03), 0.05, 3000, catch_up_per_step=0.0)
+    assert chosen[:6] == [True] * 3 + [False] * 3 and not any(chosen[6:])
+    chosen, _ = simulate_policy(DraftPolicy(budget=0.03), 0.019, 3000, catch_up_per_step=0.0)
+    assert any(chosen[6:])  # 19 ms could win with every draft kept (421 tok/s): probed
 
 
 def test_draft_policy_learns_the_catch_up_per_pair_from_long_catch_ups_only():
