@@ -76,6 +76,8 @@ def decode(policy, B, plain, draft, accept, tokens, rng, speed, switch_plain, sw
         record.seconds = t * speed()
         wall += record.seconds
         previous = drafted
+        for s in engine.streams:  # the pairs the head reads at the next drafting step
+            s.pend_t = [0] * (plain_run + 2)
         policy.observe(engine, record)
     return emitted, wall
 

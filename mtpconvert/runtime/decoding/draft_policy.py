@@ -46,8 +46,9 @@ class DraftPolicy:
     their batch size), in place of the last catch-up. A shorter catch-up (the way back from a plain
     probe) is mostly a head pass's fixed cost: on the H200 one over 3 pairs cost 0.1-0.4 plain steps a
     pair, one over 47 pairs 0.02. Where a pair costs more than ``budget`` of a plain step (the 2-core
-    CPU: 0.07-0.17 with the text fixtures, whose few layers make the head's one layer a large share)
-    no stretch pays for its own catch-up and plain runs on without drafting probes. Nor is drafting
+    CPU: 0.06-0.3 with the text fixtures, whose few layers make the head's one layer a large share)
+    no stretch pays for its own catch-up: within a decode plain runs on without drafting probes, and
+    the time on plain across decodes pays for one over a new row's prompt now and then. Nor is drafting
     probed where it would lose with every draft kept (a drafting step over 1 + depth plain ones: 2.6x
     at 4 rows of the MoE fixture on the CPU): the probe could only re-time a step, and a step cost
     moving by that much is not noise. Exploring so costs
