@@ -51,8 +51,8 @@ class DraftPolicy:
     the time on plain across decodes pays for one over a new row's prompt now and then. Nor is drafting
     probed where it would lose with every draft kept (a drafting step over 1 + depth plain ones: 2.6x
     at 4 rows of the MoE fixture on the CPU): the probe could only re-time a step, and a step cost
-    moving by that much is not noise. Exploring so costs
-    at most about ``budget`` of the decode time, however expensive a probe is on the machine.
+    moving by that much is not noise. Exploring so costs at most about ``budget`` of the decode time,
+    however expensive a probe is on the machine.
     """
 
     def __init__(self, budget: float = 0.03, min_interval: int = 16, accept_window: int = 64, window: int = 8,
