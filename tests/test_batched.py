@@ -402,6 +402,21 @@ def test_bench_concurrency_json_and_bad_input(tmp_path):
         assert result.exit_code == 2 and "--concurrency" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_bench_rounds_are_balanced(n):
+    """Over n rounds each decoder runs first once and right after every other decoder once (a rotation
+    keeps each behind the same one); the paired ratio compares with the fixed choice of best median."""
+    from mtpconvert.runtime.measure.batch_bench import paired_ratio, round_order
+
+    orders = [round_order(n, i) for i in range(n)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert sorted(o[0] for o in orders) == list(range(n))
+    follows = [(a, b) for o in orders for a, b in zip(o, o[1:])]
+    assert sorted(follows) == [(a, b) for a in range(n) for b in range(n) if a != b]
+    # b has the best median (11 against 10.5): auto is compared with b's runs, not with a's 20 in round 0
+    assert paired_ratio([10, 10], {"a": [20, 1], "b": [11, 11]}) == pytest.approx(10 / 11)
+
+
 def fake_engine(rows: int, depth: int = 1):
     """What ``DraftPolicy`` reads of an engine: its depth and its rows."""
     from types import SimpleNamespace

@@ -14,8 +14,8 @@ Aggregate tok/s counts all streams; per-stream tok/s is each stream's own tokens
 decode time, averaged. All decoders run in one process, interleaved per concurrency, after an
 untimed warm-up of each (kernels compile per shape; on a GPU ``batched.warm_up`` first runs every
 pass shape of 1 .. C rows, since `auto`'s timed trajectory differs from its warm-up's). With
-``rounds`` > 1 the timed runs repeat, interleaved and rotated (round i starts at the i-th decoder),
-and each decoder reports its median round (every round's aggregate tok/s is kept): on a shared
+``rounds`` > 1 the timed runs repeat, interleaved in a balanced order (``round_order``: over as many
+rounds as decoders each runs first once and follows each other decoder once), and each decoder reports its median round (every round's aggregate tok/s is kept): on a shared
 machine one round moves by tens of percent. Before every timed run the garbage is collected and
 MLX's buffer cache cleared, so no run pays for the one before. The ``auto`` policy is warmed by one
 untimed run and kept across rounds, as a server keeps it.
@@ -140,6 +140,21 @@ def auto_vs_best(auto: float, *fixed: float) -> float:
     return auto / best if best else 0.0
 
 
+def round_order(n: int, i: int) -> List[int]:
+    """Round i's order of n decoders, a row of a Williams square: over n rounds (even n) each decoder
+    runs first once and right after each other decoder once, so whatever a run leaves behind for
+    the next (caches, allocator, clocks) falls on every decoder alike. A rotation (round i starting
+    at decoder i) would keep every decoder behind the same one."""
+    first, lo, hi = [0], 1, n - 1
+    while lo <= hi:
+        first.append(lo)
+        lo += 1
+        if lo <= hi:
+            first.append(hi)
+            hi -= 1
+    return [(j + i) % n for j in first]
+
+
 def paired_ratio(own: Sequence[float], against: Dict[str, Sequence[float]]) -> Optional[float]:
     """Median over the rounds of ``own`` over, in the same round, the one of ``against`` with the best
     median (runs of one round are seconds apart: load that moves between rounds cancels); None with
@@ -243,8 +258,8 @@ def bench_concurrency(
                                                      policy)
             timed = {name: [] for name in decoders}
             names = list(decoders)
-            for i in range(rounds):  # round i starts at decoder i: none always follows the same one
-                for name in names[i % len(names):] + names[:i % len(names)]:
+            for i in range(rounds):
+                for name in (names[j] for j in round_order(len(names), i)):
                     run = decoders[name]
                     gc.collect()  # the last run's garbage is not collected on this run's time
                     mx.clear_cache()
