@@ -49,9 +49,9 @@ class DraftPolicy:
     CPU: 0.06-0.3 with the text fixtures, whose few layers make the head's one layer a large share)
     no stretch pays for its own catch-up: within a decode plain runs on without drafting probes, and
     the time on plain across decodes pays for one over a new row's prompt now and then. Nor is drafting
-    probed where it would lose with every draft kept (a drafting step over 1 + depth plain ones: 1.9-5.2x
-    with the text fixtures on the CPU): the probe could only re-time a step, and a step cost
-    moving by that much is not noise. Exploring so costs at most about ``budget`` of the decode time,
+    probed where it would lose with every draft kept (a drafting step over 1 + depth plain ones; on
+    the CPU with the text fixtures one costs 1.9-5.2): the probe could only re-time a step, and a
+    step cost moving by that much is not noise. Exploring so costs at most about ``budget`` of the decode time,
     however expensive a probe is on the machine.
     """
 
