@@ -646,7 +646,7 @@ def test_draft_policy_learns_the_catch_up_per_pair_from_long_catch_ups_only():
     for s in engine.streams:  # a row joined with a 40-token prompt: the next drafting step reads it all
         s.pend_t = [0] * 40
     expected = policy.probe_loss - policy.probe_catch_up + 0.02 * 0.010 * 38
-    assert policy.next_probe_loss(engine, drafting_wins=False) == pytest.approx(expected)
+    assert policy.next_probe_loss(engine, False, policy.costs(4)) == pytest.approx(expected)
 
 
 def test_draft_policy_costs_a_kind_by_its_median_step():

@@ -103,48 +103,53 @@ class DraftPolicy:
         """(drafting tok/s, plain tok/s) at batch size B, or None until both kinds were measured."""
         return self._rates(B, drafting, self.costs(B))
 
-    def _rates(self, B: int, drafting: int, costs: Optional[Tuple[float, float]]) -> Optional[Tuple[float, float]]:
-        if costs is None or self.tokens_per_row is None:
+    def _rates(self, B: int, drafting: int, costs: Optional[Tuple[float, float]],
+               tokens_per_row: Optional[float] = None) -> Optional[Tuple[float, float]]:
+        """(drafting tok/s, plain tok/s) at ``costs``, a drafting row emitting ``tokens_per_row`` (default: as measured)."""
+        tokens_per_row = self.tokens_per_row if tokens_per_row is None else tokens_per_row
+        if costs is None or tokens_per_row is None:
             return None
-        return (drafting * self.tokens_per_row + B - drafting) / costs[0], B / costs[1]
+        return (drafting * tokens_per_row + B - drafting) / costs[0], B / costs[1]
 
     def choose(self, engine) -> bool:
         B = len(engine.streams)
         drafting = sum(s.draft for s in engine.streams)
         if not drafting:
             return False
-        if self.costs(B) is None or self.tokens_per_row is None:  # the first timings: drafting's, then plain's
+        costs = self.costs(B)
+        rates = self._rates(B, drafting, costs)
+        if rates is None:  # the first timings: drafting's, then plain's
             return self.seconds(B, True) is None or self.tokens_per_row is None
-        draft_rate, plain_rate = self.predicted_rates(B, drafting)
         self.decisions += 1
-        better = draft_rate > plain_rate
+        better = rates[0] > rates[1]
         if better != self.winner:  # a new winner: what was spent so far was exploring it
             self.winner, self.since_probe, self.probing = better, 0.0, 0
         if self.probing:
             self.probing -= 1
             return not better
-        if (self.decisions - self.last_probe >= self.min_interval and (better or self.could_draft(engine))
-                and self.since_probe * self.budget >= self.next_probe_loss(engine, better)):
+        if (self.decisions - self.last_probe >= self.min_interval and (better or self.could_draft(engine, costs))
+                and self.since_probe * self.budget >= self.next_probe_loss(engine, better, costs)):
             self.probing, self.last_probe = self.probe_steps - 1, self.decisions
             self.probe_loss, self.probe_catch_up, self.since_probe = 0.0, 0.0, 0.0
             self.probes += 1
             return not better
         return better
 
-    def could_draft(self, engine) -> bool:
-        """Whether drafting would win with every draft kept (1 + depth tokens a drafting row) at the
-        measured step costs; if not, a drafting probe could only confirm that it loses."""
-        B, drafting = len(engine.streams), sum(s.draft for s in engine.streams)
-        draft_cost, plain_cost = self.costs(B)
-        return (drafting * (1 + engine.depth) + B - drafting) / draft_cost > B / plain_cost
+    def could_draft(self, engine, costs: Tuple[float, float]) -> bool:
+        """Whether drafting would win with every draft kept (1 + depth tokens a drafting row) at ``costs``
+        (drafting step, plain step); if not, a drafting probe could only confirm that it loses."""
+        draft_rate, plain_rate = self._rates(len(engine.streams), sum(s.draft for s in engine.streams), costs,
+                                             1 + engine.depth)
+        return draft_rate > plain_rate
 
-    def next_probe_loss(self, engine, drafting_wins: bool) -> float:
-        """What the next probe is expected to lose: the last one's loss, with a drafting probe's catch-up
-        predicted for the pairs the rows have pending now rather than taken from the last stretch."""
+    def next_probe_loss(self, engine, drafting_wins: bool, costs: Tuple[float, float]) -> float:
+        """What the next probe is expected to lose at ``costs``: the last one's loss, with a drafting
+        probe's catch-up predicted for the pairs the rows have pending now rather than taken from the
+        last stretch."""
         if drafting_wins or not self.catch_up:
             return self.probe_loss
         pending = max(len(s.pend_t) for s in engine.streams)  # pairs the head reads at the next drafting step
-        per_pair = statistics.median(self.catch_up) * self.costs(len(engine.streams))[1]
+        per_pair = statistics.median(self.catch_up) * costs[1]
         return self.probe_loss - self.probe_catch_up + per_pair * max(pending - engine.depth - 1, 0)
 
     def observe(self, engine, record: StepLog) -> None:

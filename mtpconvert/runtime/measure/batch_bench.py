@@ -15,8 +15,9 @@ decode time, averaged. All decoders run in one process, interleaved per concurre
 untimed warm-up of each (kernels compile per shape; on a GPU ``batched.warm_up`` first runs every
 pass shape of 1 .. C rows, since `auto`'s timed trajectory differs from its warm-up's). With
 ``rounds`` > 1 the timed runs repeat, interleaved in a balanced order (``round_order``: over as many
-rounds as decoders each runs first once and follows each other decoder once), and each decoder reports its median round (every round's aggregate tok/s is kept): on a shared
-machine one round moves by tens of percent. Before every timed run the garbage is collected and
+rounds as decoders each runs first once and follows each other decoder once), and each decoder
+reports its median round (every round's aggregate tok/s is kept): on a shared machine one round
+moves by tens of percent. Before every timed run the garbage is collected and
 MLX's buffer cache cleared, so no run pays for the one before. The ``auto`` policy is warmed by one
 untimed run and kept across rounds, as a server keeps it.
 """
