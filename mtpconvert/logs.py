@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Iterable
 
 ROPE_LOGGER = "transformers.modeling_rope_utils"
@@ -33,12 +34,15 @@ def quiet_known_warnings() -> None:
 
 
 class _AbandonedThreads(logging.Filter):
+    """Runs in the logging thread: matched by the thread object, not its ident, which a later thread
+    may reuse once an abandoned one has ended."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.idents: set = set()
+        self.threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread not in self.idents
+        return threading.current_thread() not in self.threads
 
 
 _ABANDONED = _AbandonedThreads()
@@ -48,7 +52,7 @@ def mute_abandoned(threads: Iterable[threading.Thread]) -> None:
     """Drop what ``threads`` log through huggingface_hub from now on (they were abandoned mid-request)."""
     from huggingface_hub.utils import logging as hub_logging
 
-    _ABANDONED.idents.update(t.ident for t in threads if t.ident is not None)
+    _ABANDONED.threads.update(threads)
     for handler in hub_logging.get_logger().handlers:  # configures the library's handler if nothing has yet
         if _ABANDONED not in handler.filters:
             handler.addFilter(_ABANDONED)
