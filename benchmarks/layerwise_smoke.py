@@ -5,7 +5,7 @@ Writes a synthetic raw checkpoint shaped like a published release (``synth.py``:
 ``mtpconvert convert --no-smoke``, copies the bundled fixture's tokenizer into it (its ids fit any
 Qwen3.5 vocabulary, so both checks read real text), then runs each check in a fresh process:
 
-- ``layerwise``: ``mtpconvert.runtime.checks.layerwise.layerwise_acceptance`` (default prompts, cut to
+- ``layerwise``: ``mtpconvert.runtime.smoke.layerwise.layerwise_acceptance`` (default prompts, cut to
   ``--max-prompt-tokens`` each);
 - ``full``: the ``mtpconvert smoke`` command (whole model loaded, greedy draft/verify decoding),
   with ``--full-max-tokens`` tokens per prompt (the command's default is 48 x 3 prompts).
@@ -70,7 +70,7 @@ def child(kind: str, out: Path, args) -> dict:
     """Runs in a fresh process: one check, its own time and peak RSS."""
     t = time.perf_counter()
     if kind == "layerwise":
-        from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
+        from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
 
         say = lambda m: print(f"[{time.perf_counter() - t:7.1f}s] {m}", file=sys.stderr, flush=True)  # noqa: E731
         r = layerwise_acceptance(out, max_prompt_tokens=args.max_prompt_tokens, progress=say,
@@ -145,7 +145,7 @@ def main(argv=None):
             shutil.rmtree(raw)  # disk: only the converted folder is needed from here on
             for f in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(fixture_path("dense") / f, out / f)
-        from mtpconvert.runtime.checks.sizing import stored_bytes_by_unit
+        from mtpconvert.runtime.smoke.sizing import stored_bytes_by_unit
 
         groups = stored_bytes_by_unit(out)
         report["weight_bytes"] = sum(groups.values())

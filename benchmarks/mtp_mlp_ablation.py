@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.utils
 import numpy as np
 
-from mtpconvert.runtime.checks.teacher_forced import teacher_forced_full
+from mtpconvert.runtime.smoke.teacher_forced import teacher_forced_full
 from mtpconvert.runtime.decoding.load import load
 
 ROUTED = ("gate_proj", "up_proj", "down_proj")

@@ -20,7 +20,7 @@ from mtpconvert.fixture import fixture_path
 from mtpconvert.options import ConvertOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.options import QuantOptions
-from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.smoke.decode import encode_prompts
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.sampling import Sampling
 from mtpconvert.runtime.decoding.speculative import DecodeStats, mtp_generate

@@ -2,7 +2,7 @@
 
 The data behind the smoke floors (docs/runtime.md, "The smoke floor"): every precision's correct
 conversion against the broken ones of tools/broken_heads.py, each scored by the decoding smoke and the
-layerwise check (docs/smoke.md): acceptance, the head's MLP gain (runtime/checks/mlp_gain.py) with its 95%
+layerwise check (docs/smoke.md): acceptance, the head's MLP gain (runtime/smoke/mlp_gain.py) with its 95%
 interval, and each check's verdict.
 
     python benchmarks/smoke_floor.py [--work DIR] [--json OUT] [--only LABEL ...]
@@ -77,8 +77,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", action="append", help="run only the row with this label (repeatable)")
     args = ap.parse_args(argv)
-    from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
-    from mtpconvert.runtime.checks.smoke import smoke
+    from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+    from mtpconvert.runtime.smoke.decode import smoke
 
     rows, made = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Union
 
-from .checks import CheckRecord, Checks, run_checks
+from .gate import GateRecord, Gate, run_gate
 from .errors import ConvertError, Kept, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .options import ConvertOptions
@@ -59,7 +59,7 @@ class ConversionResult:
     tensors: int
     bytes_written: int
     shards_reused: int = 0
-    checks: CheckRecord = field(default_factory=CheckRecord)
+    checks: GateRecord = field(default_factory=GateRecord)
     source_repo: Optional[str] = None
     source_revision: Optional[str] = None
     peak_stream_bytes: Optional[int] = None
@@ -74,7 +74,7 @@ def _partial(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
 
-def _kept(error: BaseException, record: CheckRecord) -> Optional[Kept]:
+def _kept(error: BaseException, record: GateRecord) -> Optional[Kept]:
     """What a failed run left for --resume: the partial folder ``OutputFolder`` kept (it keeps
     it once a shard is finished: ``io.output_folder``), and the check that failed."""
     partial = getattr(error, "kept_partial", None)
@@ -92,22 +92,22 @@ def _interrupted(out: Path, kept: Optional[Kept]) -> Interrupted:
     return error
 
 
-def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwrite: bool, resume: bool,
+def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Gate, overwrite: bool, resume: bool,
              events: Events, extra_metadata: Optional[dict], stream=None, publisher=None,
-             after_checks: Optional[Callable[[Path, CheckRecord], None]] = None) -> ConversionResult:
+             after_checks: Optional[Callable[[Path, GateRecord], None]] = None) -> ConversionResult:
     """``publisher`` (``hub.publish.ShardPublisher``) receives each finished shard (and feeds its
     ``consumer``, the streamed smoke, which then replaces the post-hoc one); ``after_checks`` runs on
     the temp folder once the checks passed, before it becomes OUT (a failure keeps the shards)."""
     from .execute import execute
 
     events.plan(plan_)
-    record = CheckRecord()
+    record = GateRecord()
     streamed = getattr(publisher, "consumer", None)
 
     def check(folder: Path) -> None:
         if publisher is not None:
             publisher.drain()  # the last shard's upload: an upload error is reported before any check runs
-        run_checks(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage, streamed=streamed,
+        run_gate(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage, streamed=streamed,
                    contract=True)  # mtplx_runtime.json, before after_checks commits the folder to the Hub
         if after_checks is not None:
             after_checks(folder, record)
@@ -134,7 +134,7 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Checks, overwr
 
 
 def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOptions(), *,
-            checks: Checks = Checks(), overwrite: bool = False, resume: bool = False,
+            checks: Gate = Gate(), overwrite: bool = False, resume: bool = False,
             events: Optional[Events] = None, extra_metadata: Optional[dict] = None) -> ConversionResult:
     """Convert a local checkpoint folder into an MLX folder at ``out``, atomically.
 
@@ -168,7 +168,7 @@ def pull_plan(repo_id: str, options: ConvertOptions = ConvertOptions(), *, revis
 
 
 def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: ConvertOptions = ConvertOptions(), *,
-                     revision: Optional[str] = None, checks: Checks = Checks(), stream: bool = False,
+                     revision: Optional[str] = None, checks: Gate = Gate(), stream: bool = False,
                      cache_dir: Optional[PathLike] = None, local_dir: Optional[PathLike] = None,
                      token: Optional[str] = None, timeout: float = 30.0, overwrite: bool = False,
                      resume: bool = False, upload_repo: Optional[str] = None, private: bool = False,
@@ -210,13 +210,13 @@ def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: Conv
                           events=events, extra_metadata=meta)
     result.source_repo, result.source_revision = repo_id, pulled.sha
     if upload_repo and not stream:  # under --stream the shards went up as they were written
-        upload(out, upload_repo, token=token, private=private, checks=Checks(verify=True, smoke=False),
+        upload(out, upload_repo, token=token, private=private, checks=Gate(verify=True, smoke=False),
                record=result.checks, events=events)
     return result
 
 
 def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, local_dir: Optional[Path],
-                      timeout: float, checks: Checks, overwrite: bool, resume: bool, events: Events,
+                      timeout: float, checks: Gate, overwrite: bool, resume: bool, events: Events,
                       meta: dict, publish: Optional[dict] = None, keep: int = 2,
                       window: Optional[int] = None) -> ConversionResult:
     """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use
@@ -277,7 +277,7 @@ def _drop_stubs(out: Path, stubbed: Sequence[str], events: Events) -> None:
 
 def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, mtp: str = "keep",
             mtp_bits: Optional[int] = None, token: Optional[str] = None, mtp_layout: str = "sidecar",
-            checks: Checks = Checks(), events: Optional[Events] = None) -> dict:
+            checks: Gate = Gate(), events: Optional[Events] = None) -> dict:
     """Graft the MTP head of ``source`` onto an existing MLX folder, in ``mtp_layout``.
 
     ``source`` is the original release: a Hub repo id (only the head's byte ranges are read)
@@ -290,10 +290,10 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
     events = events or Events()
     if mtp == "drop":
         raise OptionsError("--mtp drop makes no sense for add-mtp")
-    record = CheckRecord()
+    record = GateRecord()
 
     def check(folder: Path) -> None:
-        run_checks(folder, checks, record, has_mtp=True, on_stage=events.stage, contract=True)
+        run_gate(folder, checks, record, has_mtp=True, on_stage=events.stage, contract=True)
 
     try:
         if Path(source).is_dir():
@@ -313,7 +313,7 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
 
 
 def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, private: bool = False,
-           checks: Checks = Checks(min_acceptance=0.0, min_mlp_gain=None), record: Optional[CheckRecord] = None,
+           checks: Gate = Gate(min_acceptance=0.0, min_mlp_gain=None), record: Optional[GateRecord] = None,
            events: Optional[Events] = None, base_model: Optional[str] = None) -> str:
     """Verify a folder, make its model card, upload both in one commit; return the commit URL.
 
@@ -324,10 +324,10 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
 
     events = events or Events()
     folder = Path(folder)
-    record = record if record is not None else CheckRecord()
+    record = record if record is not None else GateRecord()
     if record.verify is None or record.smoke is None:
         report = verify(folder)
-        run_checks(folder, Checks(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
+        run_gate(folder, Gate(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
                                   min_acceptance=checks.min_acceptance, min_mlp_gain=checks.min_mlp_gain),
                    record, has_mtp=(report.mtp_layers_config or report.mtp_layers_found) > 0, on_stage=events.stage)
     card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
@@ -370,10 +370,10 @@ def _readable_shards(folder: Path) -> None:
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
           hidden: str = "post-norm", min_acceptance: Optional[float] = None):
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
-    from .runtime.checks.smoke import smoke as run
+    from .runtime.smoke.decode import smoke as run
 
     _readable_shards(Path(path))
-    return run(Path(path), prompts, max_tokens, hidden, Checks(min_acceptance=min_acceptance).floor_for("full"))
+    return run(Path(path), prompts, max_tokens, hidden, Gate(min_acceptance=min_acceptance).floor_for("full"))
 
 
 def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
@@ -406,7 +406,7 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
     _readable_shards(Path(path))
     if concurrency is not None:
         from .families import family_for
-        from .runtime.checks.smoke import encode_prompts
+        from .runtime.smoke.decode import encode_prompts
         from .runtime.decoding.load import load
         from .runtime.measure.batch_bench import bench_concurrency
         from .runtime.measure.oracle_batch import bench_concurrency_oracle

@@ -27,8 +27,8 @@ from .fixture.text import heldout_prompts, text_fixture_path
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
 from .cli.render import plan_summary, report_table
-from .runtime.checks.mlp_gain import DEFAULT_MIN_MLP_GAIN
-from .runtime.checks.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
+from .runtime.smoke.floors import DECODING_MIN_ACCEPTANCE, MIN_MLP_GAIN
+from .runtime.smoke.decode import smoke
 from .runtime.decoding.load import load
 from .runtime.measure.bench import bench
 from .io.checkpoint import open_checkpoint
@@ -102,8 +102,8 @@ def main(argv=None) -> int:
                       f"{pre.mtp.acceptance:.1%}", f"{post.mtp.tokens_per_step:.2f}", f"{post.plain.decode_tps:.0f}",
                       f"{post.mtp.decode_tps:.0f}", f"{post.speedup:.2f}x")
     console.print(table)
-    console.print(f"smoke: acceptance >= {DEFAULT_MIN_ACCEPTANCE:.0%} and the head's MLP gain >= "
-                  f"{DEFAULT_MIN_MLP_GAIN * 100:.1f} points on smoke's own prompts (token identity with plain greedy is "
+    console.print(f"smoke: acceptance >= {DECODING_MIN_ACCEPTANCE:.0%} and the head's MLP gain >= "
+                  f"{MIN_MLP_GAIN * 100:.1f} points on smoke's own prompts (token identity with plain greedy is "
                   "reported, not gated). mlx-lm tok/s: mlx_lm.generate.generate_step on the same prompts; "
                   "speedup = MTP tok/s / mlx-lm tok/s. On this tiny model a step is dominated by per-op overhead, "
                   "so speedup says little about real models; see docs/runtime.md.", style="dim")

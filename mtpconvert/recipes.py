@@ -262,7 +262,7 @@ class Recipe:
 
     def disk_needed_gb(self) -> float:
         """Peak disk of ``recipe run --stream`` with upload and smoke: each output shard is uploaded and freed
-        once the streamed smoke has read it (``runtime.checks.streamed``: it runs the layers the shard completes and
+        once the streamed smoke has read it (``runtime.smoke.streamed``: it runs the layers the shard completes and
         reads the layer still in progress, the final norm and ``lm_head`` into memory), so the peak is the raw
         data (``raw_gb``), two output shards (one uploading, one being written: ``output_shard_gb`` each), the
         MTP sidecar at its precision (kept to the end: linked and committed) and a margin. The output's total

@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
-from mtpconvert.runtime.checks.smoke import divergence
+from mtpconvert.runtime.smoke.decode import divergence
 from mtpconvert.runtime.decoding import batched, draft_policy
 from mtpconvert.runtime.decoding.batched import Stream, run_batch
 from mtpconvert.runtime.decoding.load import load

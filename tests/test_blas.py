@@ -219,7 +219,7 @@ def converted(tmp_path_factory):
 
 
 def test_layerwise_tokens_fit_the_measured_gemm_rate(converted, monkeypatch):
-    from mtpconvert.runtime.checks import compute
+    from mtpconvert.runtime.smoke import compute
 
     units = compute.active_params(converted)
     assert set(units) >= {"lm_head", "mtp", "layer 0"} and all(v > 0 for v in units.values())
@@ -235,7 +235,7 @@ def test_layerwise_tokens_fit_the_measured_gemm_rate(converted, monkeypatch):
 
 
 def test_decoding_misfit(converted, tmp_path, monkeypatch):
-    from mtpconvert.runtime.checks import smoke
+    from mtpconvert.runtime.smoke import smoke
 
     assert smoke.decoding_misfit(converted) is None  # the fixture decodes in seconds
     monkeypatch.setattr(smoke, "row_gflops", lambda folder, size=1024: 1e-6)
@@ -249,16 +249,16 @@ def test_decoding_misfit(converted, tmp_path, monkeypatch):
 
 def test_a_cut_layerwise_smoke_still_fails_a_broken_head(tmp_path, monkeypatch):
     from checkpoints import convert_folder, without_shift
-    from mtpconvert.checks import CheckFailed, CheckRecord, Checks, run_checks
+    from mtpconvert.gate import GateFailed, GateRecord, Gate, run_gate
     from mtpconvert.demo import fixture_prompts
     from mtpconvert.fixture import fixture_path
-    from mtpconvert.runtime.checks import compute
+    from mtpconvert.runtime.smoke import compute
 
     out = tmp_path / "noshift"
     convert_folder(fixture_path("dense"), out, edit=without_shift(), dtype="bfloat16", bits=4, group_size=32)
     monkeypatch.setattr(compute, "gemm_gflops", lambda dtype, size=384: 1e-9)
     stages = []
-    with pytest.raises(CheckFailed, match="MTP smoke test failed"):
-        run_checks(out, Checks(verify=False, smoke_mode="layerwise", prompts=tuple(fixture_prompts(3))),
-                   CheckRecord(), has_mtp=True, on_stage=stages.append)
+    with pytest.raises(GateFailed, match="MTP smoke test failed"):
+        run_gate(out, Gate(verify=False, smoke_mode="layerwise", prompts=tuple(fixture_prompts(3))),
+                   GateRecord(), has_mtp=True, on_stage=stages.append)
     assert any(f"{compute.MIN_PROMPT_TOKENS} tokens of each prompt, not 96" in s for s in stages)

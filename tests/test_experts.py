@@ -11,9 +11,9 @@ from mlx.utils import tree_map
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from mtpconvert.fixture import fixture_path
-from mtpconvert.runtime.checks import compute, shards
-from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
-from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.smoke import compute, shards
+from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+from mtpconvert.runtime.smoke.decode import encode_prompts
 from mtpconvert.runtime.decoding import experts
 from mtpconvert.runtime.decoding.experts import BoundedSwitchGLU, bound_float_experts, expert_groups
 from mtpconvert.runtime.decoding.load import float32_experts_on_cpu

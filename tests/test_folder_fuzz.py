@@ -297,7 +297,7 @@ def bases(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def quick_smoke(monkeypatch):
-    import mtpconvert.runtime.checks.smoke as smoke_mod
+    import mtpconvert.runtime.smoke.decode as smoke_mod
 
     monkeypatch.setattr(smoke_mod, "teacher_forced_mlp_gain", lambda *a, **k: None)
 

@@ -208,8 +208,8 @@ def test_transformers_classes_exist_for_every_glm_type():
 def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, name):
     """The streamed layerwise check (one layer at a time; a GLM-4.x head's own embedding and shared_head.head read
     in row blocks) gives the same tokens as the whole model loaded."""
-    from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
-    from mtpconvert.runtime.checks.teacher_forced import teacher_forced_full
+    from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+    from mtpconvert.runtime.smoke.teacher_forced import teacher_forced_full
     from mtpconvert.runtime.decoding.load import load
 
     ids = [IDS, IDS[3:10]]

@@ -886,7 +886,7 @@ def tensor_bytes(path: Path) -> dict:
 
 def graft_onto_headless(hub, repo: str, src: Path, base: Path, tmp_path: Path, options) -> dict:
     """add-mtp as users meet it: ``base`` converted with ``options`` and --mtp drop (a folder without a single mtp.*
-    tensor, that verifies), then ``add-mtp REPO`` (``src`` served as ``repo``) onto it. Checks that it exits 0 with the
+    tensor, that verifies), then ``add-mtp REPO`` (``src`` served as ``repo``) onto it. Gate that it exits 0 with the
     smoke's greedy output unchanged; the folder verifies with a complete head; the head is the one a direct `convert`
     of ``src`` with the same options writes; the backbone's shards are the bytes they were and the sidecar is the
     only new file; and from the Hub only, by range, each shard's header and its mtp.* tensors. Returns the head."""

@@ -16,11 +16,12 @@ import pytest
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.errors import LayoutError
 from mtpconvert.fixture import fixture_path
-from mtpconvert.runtime.checks import compute
-from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
-from mtpconvert.runtime.checks.sizing import folder_weight_bytes, smoke_mode, stored_bytes_by_unit
-from mtpconvert.runtime.checks.smoke import encode_prompts
-from mtpconvert.runtime.checks.teacher_forced import DEFAULT_MIN_ACCEPTANCE, teacher_forced_full
+from mtpconvert.runtime.smoke import compute
+from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+from mtpconvert.runtime.smoke.sizing import folder_weight_bytes, smoke_mode, stored_bytes_by_unit
+from mtpconvert.runtime.smoke.decode import encode_prompts
+from mtpconvert.runtime.smoke.floors import LAYERWISE_MIN_ACCEPTANCE
+from mtpconvert.runtime.smoke.teacher_forced import teacher_forced_full
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.locate import locate_mtp
 
@@ -290,7 +291,7 @@ def test_smoke_mode():
     assert smoke_mode(14 * gib, 16 * gib) == "layerwise"  # 27B at 4 bits on a 16 GB runner
     assert smoke_mode(4 * gib, 16 * gib, full_runs_here=False) == "layerwise"
     assert smoke_mode(4 * gib, None) == "layerwise"
-    assert DEFAULT_MIN_ACCEPTANCE == 0.30
+    assert LAYERWISE_MIN_ACCEPTANCE == 0.30
 
 
 def test_stored_bytes_by_unit(folders):

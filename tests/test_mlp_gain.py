@@ -4,7 +4,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mtpconvert.runtime.checks.mlp_gain import matches, mlp_removed, paired_gain
+from mtpconvert.runtime.smoke.mlp_gain import matches, mlp_removed, paired_gain
 
 
 def test_paired_gain_counts_discordant_positions():

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from checkpoints import convert_folder, resume_command, without_shift
 from mtpconvert import api
-from mtpconvert.checks import CheckFailed, CheckRecord, Checks, choose_smoke, run_checks
+from mtpconvert.gate import GateFailed, GateRecord, Gate, choose_smoke, run_gate
 from mtpconvert.cli import app
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.execute.resume import RESUME_DIR
@@ -21,12 +21,12 @@ GIB = 1 << 30
 FIXTURE_Q4 = ConvertOptions(dtype="bfloat16", quant=QuantOptions(bits=4, group_size=32))
 
 
-def fixture_checks(mode: str, verify: bool = True) -> Checks:
-    return Checks(verify=verify, smoke_mode=mode, prompts=tuple(fixture_prompts(3)))
+def fixture_checks(mode: str, verify: bool = True) -> Gate:
+    return Gate(verify=verify, smoke_mode=mode, prompts=tuple(fixture_prompts(3)))
 
 
 def memory_available(monkeypatch, n: int) -> None:
-    from mtpconvert.runtime.checks import sizing
+    from mtpconvert.runtime.smoke import sizing
 
     monkeypatch.setattr(sizing, "available_memory_bytes", lambda: n)
 
@@ -45,7 +45,7 @@ def test_choose_smoke_from_weight_bytes_against_available_memory(tmp_path, monke
     memory_available(monkeypatch, None)
     assert choose_smoke(out).mode == "layerwise"
     with pytest.raises(Exception, match="smoke mode"):
-        Checks(smoke_mode="half")
+        Gate(smoke_mode="half")
 
 
 @pytest.mark.parametrize("available, mode", [(64 * GIB, "full"), (GIB, "layerwise")])
@@ -62,9 +62,9 @@ def test_convert_runs_the_smoke_that_fits_and_says_which(tmp_path, monkeypatch, 
 def test_both_smokes_collapse_on_a_broken_head(tmp_path, mode):
     out = tmp_path / "noshift"
     convert_folder(fixture_path("dense"), out, edit=without_shift(), dtype="bfloat16", bits=4, group_size=32)
-    record = CheckRecord()
-    with pytest.raises(CheckFailed, match=f"MTP smoke test failed \\({mode}"):
-        run_checks(out, fixture_checks(mode, verify=False), record, has_mtp=True)  # verify sees it first
+    record = GateRecord()
+    with pytest.raises(GateFailed, match=f"MTP smoke test failed \\({mode}"):
+        run_gate(out, fixture_checks(mode, verify=False), record, has_mtp=True)  # verify sees it first
     assert record.failed == "smoke" and record.smoke_mode == mode
 
 
@@ -84,7 +84,7 @@ def test_greedy_divergence_is_reported_with_its_margin_not_failed(tmp_path, monk
     smoke reports where and by what margin, and still passes on acceptance."""
     import mlx.core as mx
 
-    from mtpconvert.runtime.checks import smoke as smoke_mod
+    from mtpconvert.runtime.smoke import decode as smoke_mod
     from mtpconvert.runtime.decoding.load import load
 
     out = tmp_path / "o"
@@ -110,7 +110,7 @@ def test_greedy_divergence_is_reported_with_its_margin_not_failed(tmp_path, monk
 
     from rich.console import Console
 
-    from mtpconvert.cli.check import print_smoke
+    from mtpconvert.cli.inspect import print_smoke
 
     console = Console(record=True, width=300)
     print_smoke(result, console)
@@ -122,12 +122,12 @@ def test_greedy_divergence_is_reported_with_its_margin_not_failed(tmp_path, monk
 
 
 def test_verify_failure_keeps_the_shards_and_names_the_resume_command(raw_checkpoints, tmp_path, monkeypatch):
-    from mtpconvert import checks
+    from mtpconvert import gate
 
     def failing(folder, **kw):
-        raise CheckFailed("output failed verification: index-mismatch: made up for the test", file=folder)
+        raise GateFailed("output failed verification: index-mismatch: made up for the test", file=folder)
 
-    monkeypatch.setattr(checks, "verify_folder", failing)
+    monkeypatch.setattr(gate, "verify_folder", failing)
     src, out = raw_checkpoints("dense-vlm").path, tmp_path / "out"
     result = runner.invoke(app, ["convert", str(src), str(out), "--bits", "8", "--group-size", "32"])
     assert result.exit_code == 2 and "failed verification" in result.output
@@ -143,12 +143,12 @@ def test_verify_failure_keeps_the_shards_and_names_the_resume_command(raw_checkp
 ])
 def test_an_exception_in_the_smoke_keeps_the_shards(raw_checkpoints, tmp_path, monkeypatch, error, message, code,
                                                     advice):
-    from mtpconvert import checks
+    from mtpconvert import gate
 
     def raising(*a, **kw):
         raise error
 
-    monkeypatch.setattr(checks, "smoke_full", raising)
+    monkeypatch.setattr(gate, "smoke_full", raising)
     src, out = raw_checkpoints("dense-vlm").path, tmp_path / "out"
     result = runner.invoke(app, ["convert", str(src), str(out), "--smoke-mode", "full"])
     assert result.exit_code == code and message in result.output, result.output

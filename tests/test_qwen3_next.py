@@ -214,8 +214,8 @@ def test_rollback_restores_the_linear_attention_state(converted):
 
 
 def test_layerwise_predictions_equal_the_loaded_model(converted):
-    from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
-    from mtpconvert.runtime.checks.teacher_forced import teacher_forced_full
+    from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+    from mtpconvert.runtime.smoke.teacher_forced import teacher_forced_full
     from mtpconvert.runtime.decoding.load import load
 
     ids = [IDS, IDS[::-1]]
@@ -299,7 +299,7 @@ def test_batched_rows_match_plain_batched_and_solo(trained):
 
 
 def test_layerwise_smoke_accepts_the_trained_head(trained):
-    from mtpconvert.checks import CheckRecord, Checks, smoke_folder
+    from mtpconvert.gate import GateRecord, Gate, smoke_folder
 
-    result = smoke_folder(trained, Checks(smoke_mode="layerwise"), CheckRecord())
+    result = smoke_folder(trained, Gate(smoke_mode="layerwise"), GateRecord())
     assert result.ok and result.acceptance >= 0.3, result.to_json()

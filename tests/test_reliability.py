@@ -540,7 +540,7 @@ def test_smoke_and_bench_refuse_a_sidecar_linking_out_of_the_folder(converted_de
 
 def test_smoke_reads_the_head_config_names(converted_dense, tmp_path, monkeypatch):
     """smoke used to look for mtp.safetensors only, whatever config's mlx_lm_extra_tensors.mtp_file said."""
-    import mtpconvert.runtime.checks.smoke as smoke_mod
+    import mtpconvert.runtime.smoke.decode as smoke_mod
 
     monkeypatch.setattr(smoke_mod, "teacher_forced_mlp_gain", lambda *a, **k: None)  # the head's quality: test_smoke
     out = converted_copy(converted_dense, tmp_path)

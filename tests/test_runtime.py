@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 from checkpoints import convert_folder, without_shift
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.fixture import fixture_path
-from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.smoke.decode import encode_prompts
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.rollback import enable_rollback, make_rollback_cache, rollback
 from mtpconvert.runtime.decoding.sampling import Sampling, accept_drafts

@@ -11,7 +11,7 @@ from mtpconvert.fixture import fixture_path
 from mtpconvert.options import ConvertOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.options import QuantOptions
-from mtpconvert.runtime.checks.smoke import smoke
+from mtpconvert.runtime.smoke.decode import smoke
 from mtpconvert.io.checkpoint import open_checkpoint
 from mtpconvert.verify import verify
 
@@ -48,7 +48,7 @@ def test_mtp_hidden_feeds_that_state_to_the_head(tmp_path, hidden, which):
     """--mtp-hidden decides which backbone state the head's first draft reads."""
     import mlx.core as mx
 
-    from mtpconvert.runtime.checks.smoke import encode_prompts
+    from mtpconvert.runtime.smoke.decode import encode_prompts
     from mtpconvert.runtime.decoding.load import load
     from mtpconvert.runtime.decoding.speculative import backbone_forward, mtp_generate
 

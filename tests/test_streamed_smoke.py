@@ -1,4 +1,4 @@
-"""The layerwise smoke fed shard by shard (runtime/checks/streamed.py): the post-hoc check's numbers, each shard
+"""The layerwise smoke fed shard by shard (runtime/smoke/streamed.py): the post-hoc check's numbers, each shard
 freed as it is fed (what the check reads later is in memory, or for an in-model head in a copy), and a
 broken head stops the streamed publish before its commit."""
 
@@ -12,14 +12,14 @@ from typer.testing import CliRunner
 
 from broken_heads import editor
 from mtpconvert import api
-from mtpconvert.checks import Checks
+from mtpconvert.gate import Gate
 from mtpconvert.cli import app
 from mtpconvert.fixture.text import text_fixture_path
 from mtpconvert.options import ConvertOptions, QuantOptions
 from mtpconvert.hub.publish import stub_in_place
-from mtpconvert.runtime.checks.layerwise import layerwise_acceptance
-from mtpconvert.runtime.checks.sizing import unit_of
-from mtpconvert.runtime.checks.streamed import SMOKE_DIR, StreamedLayerwise, shards_by_unit
+from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+from mtpconvert.runtime.smoke.sizing import unit_of
+from mtpconvert.runtime.smoke.streamed import SMOKE_DIR, StreamedLayerwise, shards_by_unit
 from test_hub import hub, shards_holding_data  # noqa: F401  (the loopback Hub fixture)
 
 runner = CliRunner()
@@ -32,7 +32,7 @@ def converted(tmp_path: Path, name: str, mtp_layout: str = "sidecar") -> Path:
     out = tmp_path / name
     api.convert(text_fixture_path(name), out, ConvertOptions(quant=QuantOptions(bits=4, group_size=32),
                                                              max_shard_bytes=SHARD_BYTES, mtp_layout=mtp_layout),
-                checks=Checks(verify=False, smoke=False))
+                checks=Gate(verify=False, smoke=False))
     return out
 
 

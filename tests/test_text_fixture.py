@@ -11,10 +11,11 @@ import pytest
 
 from broken_heads import break_folder
 from checkpoints import convert_folder
-from mtpconvert.checks import CheckFailed, CheckRecord, Checks, smoke_folder
+from mtpconvert.gate import GateFailed, GateRecord, Gate, smoke_folder
 from mtpconvert.errors import LayoutError
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
-from mtpconvert.runtime.checks.smoke import DEFAULT_MIN_ACCEPTANCE, smoke
+from mtpconvert.runtime.smoke.decode import smoke
+from mtpconvert.runtime.smoke.floors import DECODING_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.speculative import mtp_generate, plain_generate
 from mtpconvert.verify import verify
@@ -57,7 +58,7 @@ def test_text_fixture_verifies(variant):
 ], ids=["dense", "dense-q4-mtp2", "moe", "moe-q4-match", "next-q4", "next-q4-match", "glm5", "glm5-q4-match"])
 def test_correct_heads_pass_smoke(converted, variant, quant):
     result = smoke(converted(variant, **quant))
-    assert result.identical and result.acceptance >= DEFAULT_MIN_ACCEPTANCE, result.to_json()
+    assert result.identical and result.acceptance >= DECODING_MIN_ACCEPTANCE, result.to_json()
     assert result.mlp_ok and result.ok, result.to_json()
 
 
@@ -77,7 +78,7 @@ def test_broken_heads_fail_smoke(converted, tmp_path, variant, edit):
     # stdlib-trained model falls into repetitive continuations; on held-out stdlib prompts it collapses
     prompts = heldout_prompts(src, per_file=1, prompt_tokens=48, files=4)[0] if variant == "glm5" else None
     result = smoke(broken, prompts)
-    assert result.identical and not result.ok and result.acceptance < DEFAULT_MIN_ACCEPTANCE, result.to_json()
+    assert result.identical and not result.ok and result.acceptance < DECODING_MIN_ACCEPTANCE, result.to_json()
 
 
 @pytest.mark.parametrize("variant", ["moe", "next"])
@@ -90,9 +91,9 @@ def test_head_only_expert_reversal_fails_the_default_check_by_mlp_gain(converted
     base = converted(variant) if variant == "moe" else converted(variant, bits=4, group_size=32)
     broken = tmp_path / "mtp_experts_rev"
     assert break_folder(base, broken, text_fixture_path(variant), "mtp_experts_rev") > 0
-    record = CheckRecord()
-    with pytest.raises(CheckFailed, match="MLP gain") as failed:
-        smoke_folder(broken, Checks(smoke_mode=mode), record)
+    record = GateRecord()
+    with pytest.raises(GateFailed, match="MLP gain") as failed:
+        smoke_folder(broken, Gate(smoke_mode=mode), record)
     assert "greedy draft acceptance" not in str(failed.value), failed.value  # the MLP gain alone fails it
     if mode == "auto":  # the fixture fits in memory: the decoding smoke, as convert runs it
         assert record.smoke_mode == "full"
@@ -102,19 +103,18 @@ def test_min_mlp_gain_minus_one_reports_the_gain_without_gating(converted, tmp_p
     """--min-mlp-gain -1 (for heads with random weights, as the constrained benchmark runs): the same
     head-only expert reversal passes, its low gain still reported."""
     from mtpconvert.cli import options as o
-    from mtpconvert.runtime.checks.mlp_gain import DEFAULT_MIN_MLP_GAIN
 
     broken = tmp_path / "mtp_experts_rev"
     assert break_folder(converted("moe"), broken, text_fixture_path("moe"), "mtp_experts_rev") > 0
     checks = o.checks(False, False, None, o.SmokeModeChoice.layerwise, -1.0)
-    assert o.checks(False, False, None, o.SmokeModeChoice.layerwise).min_mlp_gain == DEFAULT_MIN_MLP_GAIN
-    result = smoke_folder(broken, checks, CheckRecord())
-    assert result.ok and result.min_mlp_gain == -1.0 and result.mlp_gain_paired.gain < DEFAULT_MIN_MLP_GAIN
+    assert o.checks(False, False, None, o.SmokeModeChoice.layerwise).min_mlp_gain == MIN_MLP_GAIN
+    result = smoke_folder(broken, checks, GateRecord())
+    assert result.ok and result.min_mlp_gain == -1.0 and result.mlp_gain_paired.gain < MIN_MLP_GAIN
 
 
 def test_correct_moe_head_passes_the_default_check(converted):
-    record = CheckRecord()
-    result = smoke_folder(converted("moe"), Checks(smoke_mode="layerwise"), record)
+    record = GateRecord()
+    result = smoke_folder(converted("moe"), Gate(smoke_mode="layerwise"), record)
     assert result.ok and result.mlp_gain_paired.gain >= result.min_mlp_gain, result.to_json()
 
 

@@ -43,7 +43,7 @@ PULL_EPILOG = """Examples:
 
 def print_checked_smoke(record, to: Console) -> None:
     """The smoke's result, and which smoke ran and why."""
-    from .check import print_layerwise, print_smoke
+    from .inspect import print_layerwise, print_smoke
 
     if record.smoke is None:
         return

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from .. import api
-from ..checks import Checks
+from ..gate import Gate
 from ..provenance import checked_repo_id
 from . import options as o
 from .errors import handled
@@ -46,7 +46,7 @@ def upload(
     """Verify a folder, write its model card, and upload it with huggingface_hub."""
     with rich_events(console) as events:
         url = api.upload(path, repo_id, token=token, private=private,
-                         checks=Checks(smoke=not no_smoke, min_acceptance=0.0, min_mlp_gain=None), events=events,
+                         checks=Gate(smoke=not no_smoke, min_acceptance=0.0, min_mlp_gain=None), events=events,
                          base_model=checked_repo_id(base_model))
     console.print(f"[green]uploaded[/green] {repo_id}: {url}")
 

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from .. import __version__
 from ..logs import quiet_known_warnings
-from . import check, convert, families, hub, recipe
+from . import convert, families, hub, inspect, recipe
 from .errors import CLICK_ERRORS, report
 from .helpfmt import Group
 
@@ -34,7 +34,7 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
         raise typer.Exit(0)
 
 
-for group in (convert, check, hub, recipe, families):
+for group in (convert, inspect, hub, recipe, families):
     group.register(app)
 
 

@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from ..checks import SMOKE_MODES, Checks
+from ..gate import SMOKE_MODES, Gate
 from ..options import FLOAT_DTYPES, MODES, MTP_LAYOUTS, MTP_POLICIES, ConvertOptions, QuantOptions
 
 DType = Enum("DType", {d: d for d in FLOAT_DTYPES}, type=str)
@@ -104,8 +104,8 @@ def convert_options(*, dtype: Optional[DType], bits: Optional[int], group_size: 
 
 
 def checks(no_verify: bool, no_smoke: bool, min_acceptance: float, smoke_mode: SmokeModeChoice,
-           min_mlp_gain: Optional[float] = None) -> Checks:
+           min_mlp_gain: Optional[float] = None) -> Gate:
     """The post-checks the shared options ask for (``min_mlp_gain`` None: the default floor)."""
     gain = {} if min_mlp_gain is None else {"min_mlp_gain": min_mlp_gain}
-    return Checks(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance, **gain,
+    return Gate(verify=not no_verify, smoke=not no_smoke, min_acceptance=min_acceptance, **gain,
                   smoke_mode=smoke_mode.value)

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import api
-from ..checks import Checks
+from ..gate import Gate
 from ..recipes import BUNDLED, find_recipe, list_recipes, load_recipe
 from . import options as o
 from .convert import print_pull_plan, print_result
@@ -84,7 +84,7 @@ def recipe_run(
         return
     with rich_events(console) as events:
         result = api.run_recipe(path, out, upload=not no_upload, token=token, events=events, stream=stream,
-                                resume=resume, checks=Checks(smoke_mode=smoke_mode.value))
+                                resume=resume, checks=Gate(smoke_mode=smoke_mode.value))
     print_result(result)
 
 

@@ -18,7 +18,7 @@
 Its verification label (:func:`mtplx_tier`): mtplx reports a Qwen folder whose head it can use
 ``verified`` only when the folder carries a valid ``mtplx_runtime.json`` whose evidence is not marked
 as blocking, else ``family-compatible-unverified``; it drafts with the head either way.
-``mtpconvert.mtplx_runtime`` writes that file after a smoke that measured what it claims.
+``mtpconvert.verify.contract`` writes that file after a smoke that measured what it claims.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ mtpconvert bench {local} --depth 1
 
 ```python
 from huggingface_hub import snapshot_download
-from mtpconvert.runtime.checks.smoke import encode_prompts
+from mtpconvert.runtime.smoke.decode import encode_prompts
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.speculative import mtp_generate
 

@@ -19,7 +19,7 @@ resume record (sha256, size, first 512 bytes) lets the next run skip rebuilding 
 stub is there and whose object the Hub still reports holding.
 
 The smoke needs the weights, and no Hub API serves an object before it is committed. With a
-``consumer`` (``runtime.checks.streamed.StreamedLayerwise``: the layerwise smoke fed shard by shard) each
+``consumer`` (``runtime.smoke.streamed.StreamedLayerwise``: the layerwise smoke fed shard by shard) each
 finished shard is fed to it first, and a shard is stubbed once it is both uploaded and released
 by the consumer (it no longer reads from it: it has run the layers the shard completes and holds in
 memory what it reads later): disk stays two output shards and the sidecar (plus the consumer's copy
@@ -268,7 +268,7 @@ def shard_publisher(publish: dict, partial: Path, token: Optional[str], plan, ch
     is finished and the shard's data is freed once uploaded and consumed (disk: two output shards);
     only ``--smoke-mode full``, which loads the whole folder, keeps every shard until the end."""
     from ..execute.run import index_json
-    from ..runtime.checks.streamed import StreamedLayerwise
+    from ..runtime.smoke.streamed import StreamedLayerwise
 
     smoke = checks.smoke and plan.mtp_layers > 0
     consumer = None

@@ -362,7 +362,7 @@ def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) ->
 
     def key(item: PlanItem):
         # within a source shard, by name with numbers compared as numbers (layers 2 before 10): the
-        # output shards then hold layers in order, so the streamed smoke (runtime.checks.streamed) can run
+        # output shards then hold layers in order, so the streamed smoke (runtime.smoke.streamed) can run
         # each layer as its shard is finished instead of holding shards for a layer to come
         return (max(shard_index[s.file] for s in item.sources), natural_key(item.name))
 

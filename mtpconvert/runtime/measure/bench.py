@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..checks.smoke import Divergence, divergence, encode_prompts
+from ..smoke.decode import Divergence, divergence, encode_prompts
 from ..decoding.load import MTPModel, load
 from ..decoding.rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
 from ..decoding.sampling import Sampling

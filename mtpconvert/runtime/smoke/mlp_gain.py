@@ -23,12 +23,6 @@ from typing import Iterator, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-# Chosen on the text fixtures (docs/runtime.md, "The smoke floor"): correct heads of every precision gain
-# +3.8 to +19.6 points on the decoding smoke's positions and +4.9 to +13.3 on the layerwise check's; the MoE
-# head with its experts alone reversed +1.6 (float) / +3.3 (4-bit backbone) on the decoding smoke's. With
-# ~200-300 positions one gain's 95% interval is +-5 points, so the margins are thin: real heads, whose MLP
-# carries more, are expected to gain far more than these small ones.
-DEFAULT_MIN_MLP_GAIN = 0.035
 Z95 = 1.959964
 
 

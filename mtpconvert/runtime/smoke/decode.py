@@ -21,18 +21,14 @@ from ...errors import LayoutError
 from ..decoding.load import MTPModel, load
 from ..decoding.locate import readable_folder
 from ..decoding.speculative import DecodeStats, mtp_generate, plain_generate
-from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain
+from .floors import DECODING_MIN_ACCEPTANCE, MIN_MLP_GAIN
+from .mlp_gain import PairedGain
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    ",
     "Here is a short story about a robot who learns to paint:",
 )
-# Chosen on the text fixtures with these prompts (docs/runtime.md): every correct conversion,
-# down to a 2-bit head over a 4-bit backbone, accepted >= 46.9% of greedy drafts; every broken
-# one < 39% (head norms without +1 0%, fc halves swapped 2.9%, MoE experts reversed 35-39%).
-# Real releases accept ~75-85%.
-DEFAULT_MIN_ACCEPTANCE = 0.40
 DEEP_DEPTH = 3  # mtplx's default serving depth: the smoke checks exactness there too
 
 
@@ -58,12 +54,12 @@ class Divergence:
 class SmokeResult:
     path: str
     hidden: str
-    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
+    min_acceptance: float = DECODING_MIN_ACCEPTANCE
     mtp: DecodeStats = field(default_factory=DecodeStats)
     plain: DecodeStats = field(default_factory=DecodeStats)
     per_prompt: List[float] = field(default_factory=list)
     divergences: List[Divergence] = field(default_factory=list)
-    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN  # None: reported, not gated
+    min_mlp_gain: Optional[float] = MIN_MLP_GAIN  # None: reported, not gated
     mlp_gain_paired: Optional[PairedGain] = None  # teacher-forced over each prompt and its plain decode
     # the same prompts decoded with deeper chains of drafts (mtplx serves at depth 3 by default): exactness at
     # that depth is what lets mtplx_runtime.json vouch for it
@@ -177,9 +173,9 @@ def smoke(
     prompts: Optional[Sequence[str]] = None,
     max_tokens: int = 48,
     hidden: str = "post-norm",
-    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
+    min_acceptance: float = DECODING_MIN_ACCEPTANCE,
     model: Optional[MTPModel] = None,
-    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN,
+    min_mlp_gain: Optional[float] = MIN_MLP_GAIN,
     deep_depth: int = DEEP_DEPTH,
 ) -> SmokeResult:
     """Plain and MTP greedy decoding of each prompt (depth 1, the gated one), and the same prompts at
@@ -207,7 +203,7 @@ def smoke(
 
 
 def teacher_forced_mlp_gain(m: MTPModel, sequences: Sequence[Sequence[int]], hidden: str) -> PairedGain:
-    """The head's MLP gain (``runtime.checks.mlp_gain``) teacher-forced over ``sequences``: each prompt
+    """The head's MLP gain (``runtime.smoke.mlp_gain``) teacher-forced over ``sequences``: each prompt
     followed by its plain greedy decode, so the positions are the ones the decode drafted at."""
     from .teacher_forced import teacher_forced_full
 

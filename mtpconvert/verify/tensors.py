@@ -1,131 +1,34 @@
-"""Check any Qwen3.5/3.6 folder (raw HF, ours, or another MLX conversion) from its headers.
-
-Only headers and the small norm vectors are read, so a 397B folder takes seconds.
-Every problem becomes a ``Finding`` with a stable ``code`` (for CI and tests); the
-folder passes when no finding is an error.
-"""
+"""verify: the tensors against their family's slots (shapes, experts, quantization), the norms' centre
+against the layout, and the config's own consistency."""
 
 from __future__ import annotations
 
 import re
 import statistics
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from .errors import ConvertError, LayoutError
-from .io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint, open_checkpoint
-from .io.header import mlx_dtype_name
-from .io.reader import TensorReader
-from .families import family_for
-from .families.base import (FC, KV_B_PARTS, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot,
-                            text_config)
-from .plan import fp8
-from .plan.head import SIDECAR_PREFIX
-from . import verify_shapes as shapes
-from .verify_files import add_runtime_table, check_drafter_config, check_finite, check_head_files, check_manifests
+from ..errors import LayoutError
+from ..families import family_for
+from ..families.base import (CONV, FC, KV_B_PARTS, MLX, MTP, QUANT_AUX, QUANTIZABLE, SWITCH, Family, Gather, Slot,
+                             kv_b_fits, text_config)
+from ..io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint
+from ..io.header import mlx_dtype_name
+from ..io.reader import TensorReader
+from ..plan import fp8
+from ..plan.head import SIDECAR_PREFIX
+from .foreign import missing_head_message
+from .report import ERROR, INFO, WARNING, Report
 
-ERROR, WARNING, INFO = "error", "warning", "info"
 # Classification of a norm vector by its mean: raw zero-centred weights sit near 0,
 # MLX weights near 1; a second +1 lands near 2.
 CENTRED_MAX, SHIFTED_MAX = 0.5, 1.5
 
 
-@dataclass
-class Finding:
-    code: str
-    severity: str
-    message: str
-    key: Optional[str] = None
-    file: Optional[str] = None
-
-
-@dataclass
-class Report:
-    path: str
-    layout: str = "unknown"  # raw-vlm | raw-text | mlx
-    model_type: str = "unknown"
-    moe: bool = False
-    vlm: bool = False
-    tensors: int = 0
-    shards: int = 0
-    mtp_layers_config: Optional[int] = 0  # None: config.json does not say
-    mtp_layers_found: int = 0
-    mtp_complete: bool = False
-    experts: str = "n/a"  # stacked | per-expert | fused | mixed | n/a
-    norms: Dict[str, str] = field(default_factory=dict)  # group -> zero-centred | shifted | double-shifted
-    norm_means: Dict[str, float] = field(default_factory=dict)
-    quantization: Dict[str, Dict[str, int]] = field(default_factory=dict)  # group -> spec -> count
-    dtypes: Dict[str, Dict[str, int]] = field(default_factory=dict)
-    findings: List[Finding] = field(default_factory=list)
-    mtp_layout: str = "unknown"  # compat.layout_of: sidecar | in-model | drafter | none | mixed:...
-    runtimes: list = field(default_factory=list)  # compat.RuntimeCompat per MTP runtime
-
-    @property
-    def ok(self) -> bool:
-        return not any(f.severity == ERROR for f in self.findings)
-
-    def add(self, code: str, severity: str, message: str, key: Optional[str] = None, file=None) -> None:
-        self.findings.append(Finding(code, severity, message, key, str(file) if file else None))
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d["ok"] = self.ok
-        return d
-
-
-def verify(path: Path, deep: bool = False) -> Report:
-    """Check a folder from its headers; ``deep`` also reads every float tensor for NaN/Inf."""
-    report = Report(path=str(path))
-    try:
-        ckpt = open_checkpoint(Path(path), head_files=False)  # their problems: findings (_check_head_files)
-    except ConvertError as e:
-        report.add(e.code, ERROR, e.detail, e.key, e.file)
-        return report
-    report.tensors, report.shards = len(ckpt.tensors), len(ckpt.shards)
-    drafter = shapes.is_drafter(ckpt.config)  # mlx-vlm's <out>-mtp: read as the head alone, like OUT/mtp
-    ckpt, head_file = shapes.drafter_view(ckpt) if drafter else shapes.with_head_file(ckpt)
-    try:
-        family = family_for(ckpt.config)
-        spec = family.spec(ckpt.config)
-    except ConvertError as e:
-        report.add(e.code, ERROR, e.detail, e.key, ckpt.root / "config.json")
-        return report
-    report.model_type, report.moe, report.vlm = spec.model_type, spec.is_moe, spec.nested
-    report.mtp_layers_config = spec.mtp_layers
-    try:
-        report.layout = family.style_of(ckpt.tensors)
-        raw = family.norms_zero_centred(ckpt.tensors)
-    except ConvertError as e:
-        report.add("layout", ERROR, e.detail, e.key, e.file)
-        return report
-    if head_file:  # the head where vllm-mlx's tools put it, outside the index: checked as the runtimes read it
-        report.add("head-file", INFO, f"the MTP head is in {head_file}, which the index does not list", file=path)
-    _check_sources(ckpt, report)
-    _check_tensors(ckpt, family, spec, raw, report)
-    _check_norms(ckpt, family, raw, report)
-    _check_config(ckpt, spec, report)
-    if report.layout == "head-only":  # OUT/mtp: its config is the model's, naming files of the model folder
-        if deep:
-            check_finite(ckpt, report)
-        if drafter:  # mlx-vlm's drafter folder: its own config, its own runtime table
-            add_runtime_table(Path(path), report)
-            shapes.drafter_finding(report, Path(path))
-        return report
-    check_head_files(ckpt, report)
-    check_manifests(ckpt.root, report)
-    check_drafter_config(ckpt.root, ckpt.config, report)
-    if deep:
-        check_finite(ckpt, report)
-    add_runtime_table(Path(path), report)
-    shapes.runtime_gaps(report)
-    return report
-
-
-def _check_sources(ckpt: Checkpoint, report: Report) -> None:
+def check_sources(ckpt: Checkpoint, report: Report) -> None:
     """Quantized source formats: every block-FP8 weight with a well-formed scale; FP4 formats named."""
     refused = {fp8.refused_format(key): key for key in ckpt.tensors if fp8.refused_format(key)}
     for name, key in refused.items():
@@ -169,7 +72,7 @@ def _stored_weight(ckpt: Checkpoint, module: str, family: Family) -> Optional[st
     return None
 
 
-def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Report) -> None:
+def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Report) -> None:
     aux: Dict[str, Dict[str, str]] = defaultdict(dict)  # canonical module -> {scales|biases: key}
     targets: Dict[str, List] = defaultdict(list)
     expert_styles = Counter()
@@ -202,7 +105,7 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
                    f"config.json has no mtp_num_hidden_layers but the folder has {n_mtp} MTP layer(s); runtimes "
                    "read the count from the config (mtpconvert convert writes it)", _mtp_count_key(ckpt), _config_file(ckpt))
     if spec.mtp_layers and not any_mtp:
-        report.add("mtp-missing", ERROR, shapes.missing_head_message(ckpt.root, spec.mtp_layers),
+        report.add("mtp-missing", ERROR, missing_head_message(ckpt.root, spec.mtp_layers),
                    _mtp_count_key(ckpt), _config_file(ckpt))
     elif n_mtp != claimed and any_mtp:
         report.add("mtp-count", ERROR,
@@ -221,9 +124,9 @@ def _check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Re
             _check_experts(ckpt, family, slot, contribs, spec, report)
             continue
         if contribs[0].part in KV_B_PARTS:
-            shapes.check_kv_b(ckpt, slot, contribs[0], report)
+            check_kv_b(ckpt, slot, contribs[0], report)
             continue
-        shapes.check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
+        check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
     head_only = any_mtp and all(family.is_head(t) for t in targets)
     if head_only:
         report.layout = "head-only"
@@ -401,7 +304,7 @@ def classify_norm(mean: float) -> str:
     return "double-shifted"
 
 
-def _check_norms(ckpt: Checkpoint, family: Family, raw: bool, report: Report) -> None:
+def check_norms(ckpt: Checkpoint, family: Family, raw: bool, report: Report) -> None:
     """Read the norm vectors (a few KB each) and compare their centre with the layout."""
     with TensorReader() as reader:
         for group, keys in _norm_keys(ckpt, family).items():
@@ -424,7 +327,7 @@ def _check_norms(ckpt: Checkpoint, family: Family, raw: bool, report: Report) ->
                            f"{group} norms are centred near {centre:.2f}: +1 was applied twice", *where)
 
 
-def _check_config(ckpt: Checkpoint, spec, report: Report) -> None:
+def check_config(ckpt: Checkpoint, spec, report: Report) -> None:
     tc = text_config(ckpt.config)
     if "tie_word_embeddings" not in tc and ckpt.config.get("tie_word_embeddings"):
         report.add("tie-top-level", WARNING,
@@ -435,3 +338,27 @@ def _check_config(ckpt: Checkpoint, spec, report: Report) -> None:
         if fmt not in (None, "mlx"):
             report.add("index-format", WARNING, f"index metadata format is {fmt!r}, expected 'mlx'", "metadata.format",
                        ckpt.root / INDEX_NAME)
+
+
+def check_kv_b(ckpt, slot, contrib, report) -> None:
+    """A raw MLA kv_b_proj, checked against the per-head matrix it is split into (``families.base.kv_b_fits``)."""
+    info = ckpt.tensors[contrib.source]
+    if not kv_b_fits(info.shape, slot.shape, contrib.part):
+        report.add("shape-mismatch", ERROR, f"kv_b_proj shape {list(info.shape)} does not split into {slot.name} "
+                   f"{list(slot.shape)}", contrib.source, info.file)
+
+
+def check_shape(ckpt, slot, key: str, raw: bool, aux, report) -> None:
+    """A tensor against its slot's shape (a raw conv1d [C,1,K]; a quantized one by all but its packed axis)."""
+    info = ckpt.tensors[key]
+    want = slot.shape
+    if slot.kind == CONV and raw:
+        want = (slot.shape[0], 1, slot.shape[1])
+    if aux and "scales" in aux:
+        if info.shape[:-1] != want[:-1]:
+            report.add("shape-mismatch", ERROR, f"packed shape {list(info.shape)} does not match {list(want)}", key,
+                       info.file)
+        return
+    if info.shape != want:
+        report.add("shape-mismatch", ERROR, f"shape {list(info.shape)} does not match the config {list(want)}",
+                   key, info.file)

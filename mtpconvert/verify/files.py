@@ -16,15 +16,15 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from .errors import ConvertError
-from .families.base import MTP
-from .io.checkpoint import Checkpoint
-from .io.reader import TensorReader
-from .io.files import contained
-from .io.head_files import head_problems
-from .plan.head import MTP_DRAFTER_CONFIG
+from ..errors import ConvertError
+from ..families.base import MTP
+from ..io.checkpoint import Checkpoint
+from ..io.reader import TensorReader
+from ..io.files import contained
+from ..io.head_files import head_problems
+from ..plan.head import MTP_DRAFTER_CONFIG
 
-ERROR, WARNING = "error", "warning"  # verify's severities
+from .report import ERROR, WARNING
 
 
 def check_head_files(ckpt: Checkpoint, report) -> None:
@@ -102,7 +102,7 @@ def check_drafter_config(root: Path, config: dict, report) -> None:
     shift the head's norms again), for GLM its ``<model_type>_mtp`` drafter over the model's config; another
     model's would build another head. A warning: only that route is affected, and the table's mlx-vlm-drafter
     row says it cannot be used."""
-    from .families import family_for
+    from ..families import family_for
 
     name = MTP_DRAFTER_CONFIG
     if not os.path.lexists(root / name):
@@ -125,7 +125,7 @@ def add_runtime_table(path: Path, report) -> None:
     """Which MTP runtimes can use the folder (headers only). Its verdicts are information; a file the
     runtimes would read that cannot be read is a finding, never a table that silently goes missing, and
     a head in more than one place is an error (the runtimes would not read the same one)."""
-    from .compat import check_folder
+    from ..compat import check_folder
 
     try:
         table = check_folder(path)

@@ -1,4 +1,4 @@
-"""A converted folder read a piece at a time, for the layerwise check (``runtime.checks.layerwise``).
+"""A converted folder read a piece at a time, for the layerwise check (``runtime.smoke.layerwise``).
 
 ``_Folder`` opens the shards' headers and their tensors as lazy ``mx.load`` arrays (a tensor is
 read only when evaluated). From it come the prompts' rows of the input embedding (``_Embedding``,

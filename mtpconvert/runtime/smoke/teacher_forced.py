@@ -1,10 +1,10 @@
-"""The layerwise check's teacher-forced computation and its result (``runtime.checks.layerwise``
+"""The layerwise check's teacher-forced computation and its result (``runtime.smoke.layerwise``
 says what it measures and why).
 
-``TeacherForcedPass`` runs it on a folder read one layer at a time (``runtime.checks.shards``), in
+``TeacherForcedPass`` runs it on a folder read one layer at a time (``runtime.smoke.shards``), in
 the order its inputs are needed; ``teacher_forced_full`` runs the same computation on a fully loaded
 model. Both give a ``LayerwiseResult``: per prompt, the backbone's and the head's argmax at every
-position, the head's again with its MLP removed (``runtime.checks.mlp_gain``), and what was resident.
+position, the head's again with its MLP removed (``runtime.smoke.mlp_gain``), and what was resident.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from ...errors import LayoutError
 from ..decoding.locate import HeadTensors
 from ..decoding.mtp import MTPHead, text_model
 from .compute import _finish_layer, fast_float_dtype
-from .mlp_gain import DEFAULT_MIN_MLP_GAIN, PairedGain, matches, mlp_removed, paired_gain
+from .floors import LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
+from .mlp_gain import PairedGain, matches, mlp_removed, paired_gain
 from .shards import _Embedding, _Folder, _load_head, _load_layer, _param_bytes, _run_lm_head_blocks
 
-# Teacher-forced acceptance on the prompt text is not decoding acceptance: correct text-fixture heads
-# score 39-40% here on layerwise.DEFAULT_PROMPTS (docs/runtime.md), so this check keeps its own floor.
-DEFAULT_MIN_ACCEPTANCE = 0.30
 # lm_head rows read per block: bounded in stored bytes (and again after dequantization).
 DEFAULT_VOCAB_BLOCK_BYTES = 128 << 20
 
@@ -39,9 +37,9 @@ class LayerwiseResult:
     hidden: str
     head_source: str
     exact: bool
-    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE
+    min_acceptance: float = LAYERWISE_MIN_ACCEPTANCE
     compute_dtype: str = ""
-    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN  # None: reported, not gated
+    min_mlp_gain: Optional[float] = MIN_MLP_GAIN  # None: reported, not gated
     per_prompt: List[Tuple[int, int]] = field(default_factory=list)  # (agreed, compared)
     backbone_next: List[List[int]] = field(default_factory=list)  # backbone argmax at positions 1..L-1
     head_next: List[List[int]] = field(default_factory=list)  # head argmax at positions 0..L-2
@@ -68,7 +66,7 @@ class LayerwiseResult:
     @property
     def mlp_gain_paired(self) -> PairedGain:
         """The head's acceptance with its MLP minus without it, over the same positions
-        (``runtime.checks.mlp_gain``)."""
+        (``runtime.smoke.mlp_gain``)."""
         intact, removed = [], []
         for bb, hd, hd0 in zip(self.backbone_next, self.head_next, self.head_next_without_mlp):
             intact += matches(bb, hd)
@@ -140,7 +138,7 @@ def layer_mask(layer: nn.Module, x: mx.array):
 
 def head_states(head: MTPHead, hidden: mx.array, next_embeddings: mx.array) -> Tuple[mx.array, mx.array]:
     """The head's first-layer states over every position (fresh KV cache), intact and with that
-    layer's MLP removed (``runtime.checks.mlp_gain``): the second costs one more pass of one layer."""
+    layer's MLP removed (``runtime.smoke.mlp_gain``): the second costs one more pass of one layer."""
     intact = head(hidden, next_embeddings, cache=head.make_cache())
     mx.eval(intact)
     with mlp_removed(head.layers[0]):
@@ -155,14 +153,14 @@ def _default_exact() -> bool:
 
 class TeacherForcedPass:
     """The check's computation in the order its inputs are needed, so that a caller may hand the
-    folder over piece by piece (``runtime.checks.streamed``): ``embed`` once the embedding is open,
+    folder over piece by piece (``runtime.smoke.streamed``): ``embed`` once the embedding is open,
     ``run_layer`` for layer 0, 1, ... as each one's tensors are open, ``finish`` with the final
     norm, the head and ``lm_head``. Between calls only the activations are resident."""
 
     def __init__(self, folder: _Folder, token_ids: List[List[int]], *, hidden: str = "post-norm",
-                 min_acceptance: float = DEFAULT_MIN_ACCEPTANCE, exact: Optional[bool] = None,
+                 min_acceptance: float = LAYERWISE_MIN_ACCEPTANCE, exact: Optional[bool] = None,
                  compute_dtype: Optional[str] = None, progress: Optional[Callable[[str], None]] = None,
-                 min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN):
+                 min_mlp_gain: Optional[float] = MIN_MLP_GAIN):
         if hidden not in ("post-norm", "pre-norm"):
             raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
         self.folder, self.token_ids, self.hidden = folder, token_ids, hidden
@@ -286,8 +284,8 @@ def peak_rss_bytes() -> int:
 
 
 def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "post-norm",
-                        min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
-                        min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN) -> LayerwiseResult:
+                        min_acceptance: float = LAYERWISE_MIN_ACCEPTANCE,
+                        min_mlp_gain: Optional[float] = MIN_MLP_GAIN) -> LayerwiseResult:
     """``m``: a ``runtime.decoding.load.MTPModel``. Uses the stock forward of mlx-lm's text model."""
     result = LayerwiseResult("", hidden, "loaded", True, min_acceptance, min_mlp_gain=min_mlp_gain)
     inner = m.lm.model

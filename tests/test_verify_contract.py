@@ -11,14 +11,14 @@ import pytest
 
 from checkpoints import convert_folder, without_shift
 from mtpconvert import api
-from mtpconvert.checks import CheckFailed, CheckRecord, Checks, run_checks
+from mtpconvert.gate import GateFailed, GateRecord, Gate, run_gate
 from mtpconvert.compat import read_folder
 from mtpconvert.compat import mtplx as mtplx_compat
 from mtpconvert.compat.folder import Folder
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.fixture import fixture_path
 from mtpconvert.fixture.text import text_fixture_path
-from mtpconvert.mtplx_runtime import build, write
+from mtpconvert.verify.contract import build, write
 from mtpconvert.options import ConvertOptions, QuantOptions
 
 CONTRACT = "mtplx_runtime.json"
@@ -29,8 +29,8 @@ MTPLX_PYTHON = Path(os.environ.get("MTPCONVERT_INTEROP_CACHE") or Path.home() / 
                     ) / "venvs" / "mtplx" / "bin" / "python"
 
 
-def checks(mode: str = "full", **kw) -> Checks:
-    return Checks(smoke_mode=mode, prompts=tuple(fixture_prompts(3)), **kw)
+def checks(mode: str = "full", **kw) -> Gate:
+    return Gate(smoke_mode=mode, prompts=tuple(fixture_prompts(3)), **kw)
 
 
 def head_reason(path: Path) -> str:
@@ -39,7 +39,7 @@ def head_reason(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """The dense fixture converted with a full smoke: (folder, its CheckRecord)."""
+    """The dense fixture converted with a full smoke: (folder, its GateRecord)."""
     out = tmp_path_factory.mktemp("contract") / "o"
     result = api.convert(fixture_path("dense"), out, ConvertOptions(dtype="bfloat16"), checks=checks())
     return out, result.checks
@@ -110,8 +110,8 @@ def test_add_mtp_writes_it_after_its_smoke(tmp_path):
 def test_a_failed_smoke_writes_nothing(tmp_path):
     out = tmp_path / "noshift"
     convert_folder(fixture_path("dense"), out, edit=without_shift(), dtype="bfloat16")
-    with pytest.raises(CheckFailed):
-        run_checks(out, checks(verify=False), CheckRecord(), has_mtp=True, contract=True)
+    with pytest.raises(GateFailed):
+        run_gate(out, checks(verify=False), GateRecord(), has_mtp=True, contract=True)
     assert not (out / CONTRACT).exists()
 
 

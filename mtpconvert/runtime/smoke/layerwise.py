@@ -43,12 +43,12 @@ in float32 a bounded group of experts at a time, because mlx's CPU ``gather_mm``
 the full-model loader does with ``runtime.decoding.load.float32_experts_on_cpu``). See docs/smoke.md
 for measured memory and time.
 
-Where each part lives: reading the folder a piece at a time (items 1-5) in ``runtime.checks.shards``;
-running a loaded layer, exact or block by block, in ``runtime.checks.compute``; the teacher-forced
-pass and its ``LayerwiseResult`` in ``runtime.checks.teacher_forced``; whether a folder needs this
-check at all (its weights against the memory available) in ``runtime.checks.sizing``. This module
+Where each part lives: reading the folder a piece at a time (items 1-5) in ``runtime.smoke.shards``;
+running a loaded layer, exact or block by block, in ``runtime.smoke.compute``; the teacher-forced
+pass and its ``LayerwiseResult`` in ``runtime.smoke.teacher_forced``; whether a folder needs this
+check at all (its weights against the memory available) in ``runtime.smoke.sizing``. This module
 picks the prompts and runs the pass over a whole folder (``layerwise_acceptance``, or
-``python -m mtpconvert.runtime.checks.layerwise``).
+``python -m mtpconvert.runtime.smoke.layerwise``).
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ import mlx.core as mx
 
 from ...errors import LayoutError
 from ..decoding.locate import HeadTensors, locate_mtp
-from .mlp_gain import DEFAULT_MIN_MLP_GAIN
+from .floors import LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from .shards import _Folder
-from .teacher_forced import DEFAULT_MIN_ACCEPTANCE, DEFAULT_VOCAB_BLOCK_BYTES, LayerwiseResult, TeacherForcedPass
+from .teacher_forced import DEFAULT_VOCAB_BLOCK_BYTES, LayerwiseResult, TeacherForcedPass
 
 # Written for this check (not from any corpus): plain prose, code and a list, so that a head is
 # scored on the kinds of text it will draft for. Each prompt is cut to ``max_prompt_tokens``.
@@ -93,7 +93,7 @@ def encode(path: Path, prompts: Optional[Sequence[str]] = None,
            max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS) -> List[List[int]]:
     """The prompts (default ``DEFAULT_PROMPTS``) through the folder's tokenizer, each cut to
     ``max_prompt_tokens``."""
-    from .smoke import encode_prompts
+    from .decode import encode_prompts
 
     return [ids[:max_prompt_tokens] for ids in encode_prompts(Path(path), list(prompts or DEFAULT_PROMPTS))]
 
@@ -133,12 +133,12 @@ def layerwise_acceptance(
     *,
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
     hidden: str = "post-norm",
-    min_acceptance: float = DEFAULT_MIN_ACCEPTANCE,
+    min_acceptance: float = LAYERWISE_MIN_ACCEPTANCE,
     exact: Optional[bool] = None,
     vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES,
     compute_dtype: Optional[str] = None,
     progress: Optional[Callable[[str], None]] = None,
-    min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN,
+    min_mlp_gain: Optional[float] = MIN_MLP_GAIN,
 ) -> LayerwiseResult:
     """Teacher-forced greedy MTP acceptance of ``path``, one layer resident at a time.
 
@@ -147,7 +147,7 @@ def layerwise_acceptance(
     ``compute_dtype`` (only without ``exact``): "float32" runs the activations and the dequantized
     matmuls in float32; None picks it on the CPU when its float32 GEMM is faster
     (``fast_float_dtype``), else keeps the model's dtype. ``min_mlp_gain``: the floor of the head's
-    MLP gain (``runtime.checks.mlp_gain``; None: reported, not gated).
+    MLP gain (``runtime.smoke.mlp_gain``; None: reported, not gated).
     """
     if hidden not in ("post-norm", "pre-norm"):
         raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
@@ -177,8 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("path", type=Path)
     ap.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable)")
     ap.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS)
-    ap.add_argument("--min-acceptance", type=float, default=DEFAULT_MIN_ACCEPTANCE)
-    ap.add_argument("--min-mlp-gain", type=float, default=DEFAULT_MIN_MLP_GAIN,
+    ap.add_argument("--min-acceptance", type=float, default=LAYERWISE_MIN_ACCEPTANCE)
+    ap.add_argument("--min-mlp-gain", type=float, default=MIN_MLP_GAIN,
                     help="floor of the head's acceptance with its MLP minus without it (docs/runtime.md)")
     ap.add_argument("--mtp-hidden", choices=["post-norm", "pre-norm"], default="post-norm")
     ap.add_argument("--exact", action="store_true", default=None,

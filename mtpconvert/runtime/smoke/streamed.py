@@ -1,7 +1,7 @@
 """The layerwise smoke fed one output shard at a time, while the conversion writes them.
 
 ``pull-and-quantize --stream --upload-repo`` uploads each finished output shard and frees its
-data; the post-hoc layerwise check (``runtime.checks.layerwise``) would need every shard at the end.
+data; the post-hoc layerwise check (``runtime.smoke.layerwise``) would need every shard at the end.
 This runs the same ``TeacherForcedPass`` as the shards arrive, so a shard can go as soon as the
 check has read what it needs of it:
 
@@ -35,17 +35,17 @@ from ...errors import LayoutError
 from ...io.header import read_header
 from ..decoding.locate import locate_mtp
 from .layerwise import DEFAULT_MAX_PROMPT_TOKENS, prompt_token_ids, require_head
-from .mlp_gain import DEFAULT_MIN_MLP_GAIN
+from .floors import LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from .shards import _Folder
 from .sizing import unit_of
-from .teacher_forced import DEFAULT_MIN_ACCEPTANCE, DEFAULT_VOCAB_BLOCK_BYTES, LayerwiseResult, TeacherForcedPass
+from .teacher_forced import DEFAULT_VOCAB_BLOCK_BYTES, LayerwiseResult, TeacherForcedPass
 
 SMOKE_DIR = ".mtpconvert-smoke"  # inside the partial folder (hidden: never uploaded); removed by finish/close
 COPY_CHUNK_BYTES = 64 << 20
 
 
 def shards_by_unit(weight_map: Dict[str, str]) -> Dict[str, Set[str]]:
-    """For each unit (``runtime.checks.sizing.unit_of``), the output shards holding its tensors."""
+    """For each unit (``runtime.smoke.sizing.unit_of``), the output shards holding its tensors."""
     units: Dict[str, Set[str]] = {}
     for key, shard in weight_map.items():
         units.setdefault(unit_of(key), set()).add(shard)
@@ -96,10 +96,10 @@ class StreamedLayerwise:
     def __init__(self, weight_map: Dict[str, str], *, prompts: Optional[Sequence[str]] = None,
                  token_ids: Optional[Sequence[Sequence[int]]] = None,
                  max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, hidden: str = "post-norm",
-                 min_acceptance: float = DEFAULT_MIN_ACCEPTANCE, exact: Optional[bool] = None,
+                 min_acceptance: float = LAYERWISE_MIN_ACCEPTANCE, exact: Optional[bool] = None,
                  compute_dtype: Optional[str] = None, vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES,
                  progress: Optional[Callable[[str], None]] = None,
-                 min_mlp_gain: Optional[float] = DEFAULT_MIN_MLP_GAIN):
+                 min_mlp_gain: Optional[float] = MIN_MLP_GAIN):
         self.units = shards_by_unit(weight_map)
         self.prompt_args = (prompts, token_ids, max_prompt_tokens)
         self.pass_args = dict(hidden=hidden, min_acceptance=min_acceptance, exact=exact,

@@ -5,17 +5,17 @@ on the folder it is given. Verify reads headers; smoke measures the MTP head's g
 acceptance, in one of two ways:
 
 - ``full``: load the whole model and decode with drafts next to plain greedy
-  (``runtime.checks.smoke``), when the weights fit in the memory available;
+  (``runtime.smoke.decode``), when the weights fit in the memory available;
 - ``layerwise``: teacher-forced, one decoder layer resident at a time
-  (``runtime.checks.layerwise``), when they do not: a 27B-397B conversion on a 16 GB runner.
+  (``runtime.smoke.layerwise``), when they do not: a 27B-397B conversion on a 16 GB runner.
 
 ``auto`` decides from the weight bytes against the available memory. Either way the gate
-is acceptance above the floor and the head's MLP gain (``runtime.checks.mlp_gain``: acceptance with
+is acceptance above the floor and the head's MLP gain (``runtime.smoke.mlp_gain``: acceptance with
 the head layer's MLP minus without it) above its own floor, which catches a head whose MLP
 weights are scrambled (experts misordered) when its acceptance alone cannot; greedy token
-identity is reported, never failed. A failure raises ``CheckFailed`` (the finished shards stay
-in the partial folder). Once every check passed, ``run_checks(..., contract=True)`` writes the folder's
-``mtplx_runtime.json`` from the smoke's result where it measured exact decoding (``mtplx_runtime``).
+identity is reported, never failed. A failure raises ``GateFailed`` (the finished shards stay
+in the partial folder). Once every check passed, ``run_gate(..., contract=True)`` writes the folder's
+``mtplx_runtime.json`` from the smoke's result where it measured exact decoding (``verify.contract``).
 """
 
 from __future__ import annotations
@@ -25,20 +25,19 @@ from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 from .errors import ConvertError, OptionsError
-from .runtime.checks.mlp_gain import DEFAULT_MIN_MLP_GAIN as MLP_GAIN_FLOOR
+from .runtime.smoke.floors import DECODING_MIN_ACCEPTANCE, LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from .verify import ERROR, Report, verify
 
-DEFAULT_MIN_ACCEPTANCE = 0.40  # the decoding smoke's floor: runtime/checks/smoke.py says where it comes from
 SMOKE_MODES = ("auto", "full", "layerwise")
 STREAMED_REASON = "shards uploaded and freed as they are written: layerwise, fed each shard as it was finished"
 
 
-class CheckFailed(ConvertError):
+class GateFailed(ConvertError):
     default_code = "check-failed"
 
 
 @dataclass(frozen=True)
-class Checks:
+class Gate:
     """Which checks gate the commit, the smoke floor, and how the smoke runs.
 
     ``prompts``: text for the smoke (None: each check's built-in prompts, English and code,
@@ -49,7 +48,7 @@ class Checks:
     min_acceptance: Optional[float] = None  # None: the floor of the smoke that runs (floor_for)
     smoke_mode: str = "auto"
     prompts: Optional[Tuple[str, ...]] = None
-    min_mlp_gain: Optional[float] = MLP_GAIN_FLOOR  # None: the MLP gain is reported, not gated
+    min_mlp_gain: Optional[float] = MIN_MLP_GAIN  # None: the MLP gain is reported, not gated
 
     def floor_for(self, mode: str) -> float:
         """The acceptance floor of a smoke mode: the one given, else that mode's own. Teacher-forced
@@ -57,9 +56,7 @@ class Checks:
         layerwise check has its own floor."""
         if self.min_acceptance is not None:
             return self.min_acceptance
-        from .runtime.checks.teacher_forced import DEFAULT_MIN_ACCEPTANCE as LAYERWISE_FLOOR
-
-        return DEFAULT_MIN_ACCEPTANCE if mode == "full" else LAYERWISE_FLOOR
+        return DECODING_MIN_ACCEPTANCE if mode == "full" else LAYERWISE_MIN_ACCEPTANCE
 
     def __post_init__(self):
         if self.smoke_mode not in SMOKE_MODES:
@@ -67,11 +64,11 @@ class Checks:
 
 
 @dataclass
-class CheckRecord:
+class GateRecord:
     """What the checks found, for the caller's report and the model card."""
 
     verify: Optional[Report] = None
-    smoke: Optional[object] = None  # runtime.checks.smoke.SmokeResult or runtime.checks.teacher_forced.LayerwiseResult
+    smoke: Optional[object] = None  # runtime.smoke.decode.SmokeResult or runtime.smoke.teacher_forced.LayerwiseResult
     smoke_mode: Optional[str] = None  # "full" | "layerwise": which one ran
     smoke_reason: Optional[str] = None  # why that one, in words
     smoke_skipped: Optional[str] = None
@@ -88,11 +85,11 @@ class CheckRecord:
 
 
 def verify_folder(folder: Path, *, what: str = "output") -> Report:
-    """Verify a folder; raise ``CheckFailed`` naming its first error."""
+    """Verify a folder; raise ``GateFailed`` naming its first error."""
     report = verify(folder)
     if not report.ok:
         first = next(f for f in report.findings if f.severity == ERROR)
-        raise CheckFailed(f"{what} failed verification: {first.code}: {first.message}", key=first.key,
+        raise GateFailed(f"{what} failed verification: {first.code}: {first.message}", key=first.key,
                           file=first.file or folder)
     return report
 
@@ -110,7 +107,7 @@ def _gib(n: int) -> str:
 def full_smoke_bytes(folder: Path, on_cpu: bool) -> int:
     """Memory the full smoke's weights take: the stored bytes, plus on the CPU a float32 copy
     of float MoE experts (``runtime.decoding.load`` casts them: mlx's CPU ``gather_mm`` is float32-only)."""
-    from .runtime.checks.sizing import folder_weight_bytes, weight_files
+    from .runtime.smoke.sizing import folder_weight_bytes, weight_files
     from .io.header import read_header
 
     total = folder_weight_bytes(folder)
@@ -127,7 +124,7 @@ def choose_smoke(folder: Path, requested: str = "auto") -> SmokeChoice:
         return SmokeChoice(requested, f"--smoke-mode {requested}")
     import mlx.core as mx
 
-    from .runtime.checks.sizing import available_memory_bytes, smoke_mode
+    from .runtime.smoke.sizing import available_memory_bytes, smoke_mode
 
     weights = full_smoke_bytes(folder, mx.default_device() == mx.cpu)
     available = available_memory_bytes()
@@ -136,8 +133,8 @@ def choose_smoke(folder: Path, requested: str = "auto") -> SmokeChoice:
         return SmokeChoice(mode, "available memory unknown")
     fits = "fits" if mode == "full" else "does not fit"
     reason = f"the model ({_gib(weights)} of weights) {fits} in {_gib(available)} available"
-    if mode == "full":  # and the decoding fits this backend (runtime.checks.smoke.decoding_misfit)
-        from .runtime.checks.smoke import decoding_misfit
+    if mode == "full":  # and the decoding fits this backend (runtime.smoke.decode.decoding_misfit)
+        from .runtime.smoke.decode import decoding_misfit
 
         misfit = decoding_misfit(folder)
         if misfit:
@@ -145,8 +142,8 @@ def choose_smoke(folder: Path, requested: str = "auto") -> SmokeChoice:
     return SmokeChoice(mode, reason)
 
 
-def smoke_failure(result, how: str, folder: Path) -> CheckFailed:
-    """The ``CheckFailed`` of a smoke result that is not ok: below the acceptance floor, or a head
+def smoke_failure(result, how: str, folder: Path) -> GateFailed:
+    """The ``GateFailed`` of a smoke result that is not ok: below the acceptance floor, or a head
     whose MLP does not help its drafts (``result``: a ``SmokeResult`` or ``LayerwiseResult``)."""
     why = []
     if not result.acceptance_ok:
@@ -155,13 +152,13 @@ def smoke_failure(result, how: str, folder: Path) -> CheckFailed:
         g = result.mlp_gain_paired
         why.append(f"the head's MLP gain {g.gain:+.1%} (95% CI {g.low:+.1%} to {g.high:+.1%}, {g.positions} "
                    f"positions) < {result.min_mlp_gain:+.0%}: drafts are no better with its MLP than without")
-    return CheckFailed(f"MTP smoke test failed ({how}): " + "; ".join(why), file=folder,
+    return GateFailed(f"MTP smoke test failed ({how}): " + "; ".join(why), file=folder,
                        hint="the head is converted wrongly (use --no-smoke to keep it anyway)")
 
 
-def smoke_full(folder: Path, checks: Checks, on_stage: Callable[[str], None]):
+def smoke_full(folder: Path, checks: Gate, on_stage: Callable[[str], None]):
     """Greedy MTP decoding next to plain greedy, the whole model loaded."""
-    from .runtime.checks.smoke import smoke
+    from .runtime.smoke.decode import smoke
 
     on_stage("MTP smoke test (greedy draft/verify decoding, whole model loaded)")
     floor = checks.floor_for("full")
@@ -171,15 +168,15 @@ def smoke_full(folder: Path, checks: Checks, on_stage: Callable[[str], None]):
     return result
 
 
-def smoke_layerwise(folder: Path, checks: Checks, on_stage: Callable[[str], None]):
+def smoke_layerwise(folder: Path, checks: Gate, on_stage: Callable[[str], None]):
     """Teacher-forced greedy acceptance, one decoder layer resident at a time."""
-    from .runtime.checks.layerwise import layerwise_acceptance
+    from .runtime.smoke.layerwise import layerwise_acceptance
 
     on_stage("MTP smoke test (layerwise: teacher-forced, one layer in memory at a time)")
     coarse = lambda msg: on_stage(f"layerwise smoke: {msg}") if not msg.startswith("lm_head rows") else None  # noqa: E731
     floor = checks.floor_for("layerwise")
-    from .runtime.checks.compute import fitted_prompt_tokens
-    from .runtime.checks.layerwise import DEFAULT_MAX_PROMPT_TOKENS
+    from .runtime.smoke.compute import fitted_prompt_tokens
+    from .runtime.smoke.layerwise import DEFAULT_MAX_PROMPT_TOKENS
 
     tokens, cut = fitted_prompt_tokens(folder, DEFAULT_MAX_PROMPT_TOKENS)  # the work this backend fits
     if cut:
@@ -191,8 +188,8 @@ def smoke_layerwise(folder: Path, checks: Checks, on_stage: Callable[[str], None
     return result
 
 
-def smoke_streamed(streamed, checks: Checks, on_stage: Callable[[str], None]):
-    """The layerwise smoke that was fed each output shard as it was written (``runtime.checks.streamed``):
+def smoke_streamed(streamed, checks: Gate, on_stage: Callable[[str], None]):
+    """The layerwise smoke that was fed each output shard as it was written (``runtime.smoke.streamed``):
     only the head and lm_head are left to run."""
     on_stage("MTP smoke test (layerwise, fed shard by shard: the head and lm_head)")
     result = streamed.finish()
@@ -201,9 +198,9 @@ def smoke_streamed(streamed, checks: Checks, on_stage: Callable[[str], None]):
     return result
 
 
-def smoke_folder(folder: Path, checks: Checks, record: CheckRecord,
+def smoke_folder(folder: Path, checks: Gate, record: GateRecord,
                  on_stage: Callable[[str], None] = lambda s: None):
-    """The smoke ``checks.smoke_mode`` asks for (auto: whichever fits); raise ``CheckFailed``
+    """The smoke ``checks.smoke_mode`` asks for (auto: whichever fits); raise ``GateFailed``
     when the head's acceptance or its MLP gain is below its floor. ``record`` says which ran and why."""
     choice = choose_smoke(folder, checks.smoke_mode)
     record.smoke_mode, record.smoke_reason = choice.mode, choice.reason
@@ -212,15 +209,15 @@ def smoke_folder(folder: Path, checks: Checks, record: CheckRecord,
     return record.smoke
 
 
-def run_checks(folder: Path, checks: Checks, record: CheckRecord, *, has_mtp: bool,
+def run_gate(folder: Path, checks: Gate, record: GateRecord, *, has_mtp: bool,
                on_stage: Callable[[str], None] = lambda s: None, streamed=None,
                contract: bool = False) -> None:
     """The checks ``checks`` asks for, on ``folder``; findings go into ``record`` (``record.failed``
     names the check that raised, for the caller's resume advice). ``streamed``: the smoke already
-    fed the shards as they were written (``runtime.checks.streamed.StreamedLayerwise``): it finishes here.
+    fed the shards as they were written (``runtime.smoke.streamed.StreamedLayerwise``): it finishes here.
     ``contract`` (a folder the command builds: the partial folder before its rename): once they passed,
     write ``mtplx_runtime.json`` from the smoke, or remove one already there that nothing here measured
-    (``mtplx_runtime.write``; its note goes to ``record.notes``). ``upload`` never passes it: it does not
+    (``verify.contract.write``; its note goes to ``record.notes``). ``upload`` never passes it: it does not
     write into the folder it is given."""
     if checks.verify:
         on_stage("verifying")
@@ -235,7 +232,7 @@ def run_checks(folder: Path, checks: Checks, record: CheckRecord, *, has_mtp: bo
             smoke_folder(folder, checks, record, on_stage)
     record.failed = None
     if contract:
-        from .mtplx_runtime import write
+        from .verify.contract import write
 
         note = write(folder, record, has_mtp=has_mtp)
         if note:

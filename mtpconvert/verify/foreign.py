@@ -20,14 +20,14 @@ import re
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .families.base import CONV, kv_b_fits, text_config
-from .io.checkpoint import Checkpoint
-from .io.files import contained
-from .io.header import read_header
+from ..families.base import CONV, kv_b_fits, text_config
+from ..io.checkpoint import Checkpoint
+from ..io.files import contained
+from ..io.header import read_header
 
 DRAFTER_TYPE = "qwen3_5_mtp"
 HEAD_PREFIX = "mtp."
-INFO = "info"
+from .report import INFO
 MAIN_RUNTIMES = ("mlx-vlm", "mtplx", "rapid-mlx", "vllm-mlx")  # stock mlx-lm has no MTP; PR #990 is a branch
 HEAD_FILES = ("model-mtp.safetensors", "mtp/weights.safetensors")  # where vllm-mlx's tools put the head
 
@@ -153,27 +153,3 @@ def runtime_gaps(report) -> None:
                f"{', '.join(usable) or 'no runtime'}; not by " + "; ".join(parts)
                + ". `mtpconvert convert` (or `add-mtp` onto the head-less folder) writes the layout every runtime "
                "here reads (see docs/interop.md)", file=report.path)
-
-
-def check_kv_b(ckpt, slot, contrib, report) -> None:
-    """A raw MLA kv_b_proj, checked against the per-head matrix it is split into (``families.base.kv_b_fits``)."""
-    info = ckpt.tensors[contrib.source]
-    if not kv_b_fits(info.shape, slot.shape, contrib.part):
-        report.add("shape-mismatch", "error", f"kv_b_proj shape {list(info.shape)} does not split into {slot.name} "
-                   f"{list(slot.shape)}", contrib.source, info.file)
-
-
-def check_shape(ckpt, slot, key: str, raw: bool, aux, report) -> None:
-    """A tensor against its slot's shape (a raw conv1d [C,1,K]; a quantized one by all but its packed axis)."""
-    info = ckpt.tensors[key]
-    want = slot.shape
-    if slot.kind == CONV and raw:
-        want = (slot.shape[0], 1, slot.shape[1])
-    if aux and "scales" in aux:
-        if info.shape[:-1] != want[:-1]:
-            report.add("shape-mismatch", "error", f"packed shape {list(info.shape)} does not match {list(want)}", key,
-                       info.file)
-        return
-    if info.shape != want:
-        report.add("shape-mismatch", "error", f"shape {list(info.shape)} does not match the config {list(want)}",
-                   key, info.file)

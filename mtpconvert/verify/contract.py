@@ -40,14 +40,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Tuple
 
-from .compat.mtplx import CONTRACT_FILE, DEFAULT_PROFILE, QWEN_ARCH, contract_error
+from ..runtime.smoke.floors import DECODING_MIN_ACCEPTANCE, MIN_MLP_GAIN
+from ..compat.mtplx import CONTRACT_FILE, DEFAULT_PROFILE, QWEN_ARCH, contract_error
 
 MTPLX_VERSION = "2.12.2"  # the release whose RuntimeContract this file satisfies (interop-measured)
 ARCH_IDS = {"qwen3_5": QWEN_ARCH, "qwen3_next": QWEN_ARCH}  # family name -> mtplx arch id (registry.py:226)
 
 
 def arch_id(config: dict) -> Optional[str]:
-    from .families import family_for
+    from ..families import family_for
 
     try:
         return ARCH_IDS.get(family_for(config).name)
@@ -56,8 +57,8 @@ def arch_id(config: dict) -> Optional[str]:
 
 
 def _verified_on() -> dict:
-    from . import __version__
-    from .provenance import library_versions
+    from .. import __version__
+    from ..provenance import library_versions
 
     libs = library_versions()
     on = {"tool": f"mtpconvert {__version__}",
@@ -75,10 +76,7 @@ def _verified_on() -> dict:
 
 
 def build(config: dict, record) -> Tuple[Optional[dict], str]:
-    """(the contract, or None; why, in words) from a folder's config and its ``checks.CheckRecord``."""
-    from .runtime.checks.mlp_gain import DEFAULT_MIN_MLP_GAIN as MLP_GAIN_FLOOR
-    from .runtime.checks.smoke import DEFAULT_MIN_ACCEPTANCE
-
+    """(the contract, or None; why, in words) from a folder's config and its ``checks.GateRecord``."""
     arch = arch_id(config)
     result = record.smoke
     if arch is None:
@@ -91,10 +89,10 @@ def build(config: dict, record) -> Tuple[Optional[dict], str]:
         return None, (f"greedy MTP output differed from plain greedy on prompt(s) {result.mismatched_prompts} "
                       "(reported by the smoke, not failed): no exactness baseline to claim")
     gain = result.mlp_gain
-    if result.acceptance < DEFAULT_MIN_ACCEPTANCE or (gain is not None and gain < MLP_GAIN_FLOOR):
+    if result.acceptance < DECODING_MIN_ACCEPTANCE or (gain is not None and gain < MIN_MLP_GAIN):
         shown = "not measured" if gain is None else f"{gain:+.1%}"
         return None, (f"acceptance {result.acceptance:.1%} / MLP gain {shown}: below the default floors "
-                      f"({DEFAULT_MIN_ACCEPTANCE:.0%}, {MLP_GAIN_FLOOR:+.0%})")
+                      f"({DECODING_MIN_ACCEPTANCE:.0%}, {MIN_MLP_GAIN:+.0%})")
     baseline = {
         "status": "passed",
         "check": "mtpconvert smoke, full: greedy MTP draft/verify decoding next to plain greedy decoding, "
@@ -139,7 +137,7 @@ def _deep(result) -> dict:
 
 
 def write(folder: Path, record, *, has_mtp: bool = True) -> Optional[str]:
-    """Write ``folder/mtplx_runtime.json`` from ``record`` (a ``checks.CheckRecord`` whose checks passed) where
+    """Write ``folder/mtplx_runtime.json`` from ``record`` (a ``checks.GateRecord`` whose checks passed) where
     the smoke measured exact decoding, else remove one already there (a partial folder's leftover, or the copy
     ``add-mtp`` linked from a folder without this head: either describes other bytes); return a one-line note.
     Only for a folder the command builds, before it is committed. None: nothing to say (no head, no file)."""

@@ -1,4 +1,4 @@
-"""How the layerwise check computes with a layer it has loaded (``runtime.checks.layerwise``).
+"""How the layerwise check computes with a layer it has loaded (``runtime.smoke.layerwise``).
 
 With ``exact`` a layer runs as loaded: mlx-lm's modules and mlx's quantized kernels, the predictions
 the fully loaded model makes. Without it every affine-quantized ``Linear`` (and every float one not
