@@ -91,7 +91,7 @@ def build(args):
     m = synth_mlx.build(args.model, args.layers, 4, root=args.layouts, config_edit=TINY if args.tiny else None)
     log(f"built {args.model} {args.layers or 'all'} layers 4-bit in {time.perf_counter() - t0:.1f} s; "
         f"backbone {synth_mlx.nbytes(m.model) / 1e9:.2f} GB, head {synth_mlx.nbytes(m.head) / 1e9:.2f} GB")
-    vocab = m.lm.args.vocab_size
+    vocab = m.backbone.vocab_size
     ids = mx.random.randint(0, vocab, (args.prompts, args.prompt_len), key=mx.random.key(1)).tolist()
     return m, ids
 

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     from mtpconvert.runtime.measure.bench import bench
 
     m = load(out)
-    vocab = m.lm.args.vocab_size
+    vocab = m.backbone.vocab_size
     ids = mx.random.randint(0, vocab, (args.prompts, args.prompt_len), key=mx.random.key(0)).tolist()
     res = bench(out, max_tokens=args.max_tokens, depths=depths, hiddens=("post-norm",), model=m, prompt_ids=ids)
     result["device"] = str(mx.default_device())

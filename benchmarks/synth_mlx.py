@@ -40,8 +40,8 @@ def build(model: str = "Qwen3.5-27B", layers: int = None, bits: int = 4, group_s
           root: Path = None, seed: int = 0, config_edit=None):
     from mlx_lm.utils import _get_classes
 
+    from mtpconvert.families import family_for
     from mtpconvert.runtime.decoding.load import MTPModel
-    from mtpconvert.runtime.decoding.mtp import MTPHead, text_model
 
     mx.random.seed(seed)
     config = layouts.config(model, root or default_layouts())
@@ -65,16 +65,17 @@ def build(model: str = "Qwen3.5-27B", layers: int = None, bits: int = 4, group_s
         return v
 
     net.update(tree_map_with_path(cast, net.parameters()))
-    lm = text_model(net)
-    for layer in lm.model.layers:  # one layer's float32 init + quantization in memory at a time
+    family = family_for(config)
+    backbone = family.backbone_class()(net, family, config)
+    for layer in backbone.layers:  # one layer's float32 init + quantization in memory at a time
         mx.eval(layer.parameters())
     mx.eval(net.parameters())
     net.eval()
-    head = MTPHead(lm.args, tc.get("mtp_num_hidden_layers", 1) or 1, type(lm.model.layers[0]))
+    head = backbone.make_head(family.mtp_layers_in(config) or 1)
     head.update(tree_map_with_path(cast, head.parameters()))
     mx.eval(head.parameters())
     head.eval()
-    return MTPModel(net, head, config)
+    return MTPModel(backbone, head, config)
 
 
 def nbytes(module: nn.Module) -> int:

@@ -412,9 +412,10 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
         from .runtime.measure.oracle_batch import bench_concurrency_oracle
 
         family = family_for(open_checkpoint(Path(path)).config)
-        if family.head.forward != "qwen3_5-mtp":
-            raise OptionsError(f"--concurrency: batched MTP runs the Qwen head design; a {family.name} folder "
-                               f"({family.head.forward} head) benches one stream at a time (leave --concurrency out)")
+        if not family.capabilities.batched:
+            raise OptionsError(f"--concurrency: batched MTP does not run the {family.name} family "
+                               f"({family.head.forward} head): it benches one stream at a time (leave --concurrency "
+                               "out)")
         m = load(Path(path))
         if cuda_qmv:
             from .runtime.decoding import cuda_qmv as kernel

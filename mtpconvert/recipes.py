@@ -3,8 +3,8 @@
 The recipes ship inside the package (``mtpconvert/data/recipes``, ``recipes/`` in a checkout
 links there), so ``recipe list`` and ``recipe run NAME`` work from a plain ``pip install``.
 
-A recipe is validated as a whole before anything runs: known keys only, a Qwen3.5/3.6/3.8, Qwen3-Next
-or GLM (zai-org/GLM-*) repository, options that QuantOptions/ConvertOptions accept, and the runner size it needs
+A recipe is validated as a whole before anything runs: known keys only, a repository among the releases
+sized in ``data/releases.toml``, options that QuantOptions/ConvertOptions accept, and the runner size it needs
 (``runner``: a key of ``RUNNERS``; the publish workflow runs each recipe on that size).
 
     python -m mtpconvert.recipes matrix 'recipes/Qwen3.5-27B-*.toml' [--runner SIZE]
@@ -33,7 +33,7 @@ from .errors import OptionsError
 from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
 
 BUNDLED = Path(__file__).parent / "data" / "recipes"
-REPO = re.compile(r"^(?:Qwen/Qwen3(?:\.[568]|-Next)|zai-org/GLM)-[0-9A-Za-z.-]+$")
+RELEASES_FILE = Path(__file__).parent / "data" / "releases.toml"
 KEYS = {"repo", "revision", "bits", "group_size", "dtype", "mtp", "mtp_bits", "q_mode", "upload_repo", "keep_vision",
         "runner", "max_shard_gb", "prefetch_shards", "raw_window_gb"}
 
@@ -61,11 +61,11 @@ RUNNERS: Dict[str, Runner] = {
 
 @dataclass(frozen=True)
 class Release:
-    """What sizes a publish job, per source release (tests/data/layouts: SOURCE.md gives the shard
-    counts, the configs and tensor tables the rest; tools/layouts.py reads them, tests/test_recipes.py
+    """What sizes a publish job, per source release (``data/releases.toml``; tests/data/layouts: SOURCE.md gives
+    the shard counts, the configs and tensor tables the rest; tools/layouts.py reads them, tests/test_recipes.py
     recomputes every field)."""
 
-    raw_shards: Optional[int]  # safetensors files of the release; None: not known (only a ranged fetch is sized)
+    repo: str  # its Hub repository
     hidden: int  # lm_head is vocab x hidden; the MTP head's fc (GLM: eh_proj) is hidden x 2 hidden
     # the MTP head in bf16: the sidecar on disk (--mtp keep). Qwen: mtp.fc, norms and mtp.layers.0; GLM: the whole
     # nextn layer model.layers.{num_hidden_layers} (eh_proj, norms, its decoder layer and, in GLM-4.x, its own
@@ -73,6 +73,7 @@ class Release:
     head_gb: float
     layer_b: float  # parameters of the largest backbone decoder layer (not the head's), in billions
     tensor_b: float  # parameters of the largest output tensor, in billions: the shard holding it is at least that
+    raw_shards: Optional[int] = None  # safetensors files of the release; None: not known (only a ranged fetch is sized)
     moe: bool = False  # the head's layer has routed experts (Qwen: num_experts; GLM: n_routed_experts)
     # raw data on the Hub, GB, where it is not 2 bytes a parameter: a block-FP8 release stores 1 byte per FP8
     # weight plus its BF16 scale per 128 x 128 block (about half)
@@ -95,43 +96,20 @@ class Release:
         return 2 * self.hidden * self.hidden / 1e9
 
 
-RELEASES: Dict[str, Release] = {
-    # the largest output tensor: lm_head (= the embedding) in the dense and 35B-A3B releases; one layer's
-    # stacked routed experts projection (experts x moe_intermediate x hidden) in 122B-A10B and 397B-A17B
-    "Qwen3.5-27B": Release(11, 5120, 0.85, 0.38, 1.27),
-    "Qwen3.6-27B": Release(15, 5120, 0.85, 0.38, 1.27),
-    # Qwen3.8-27B: the Qwen3.6-27B architecture (model_type qwen3_5, all BF16) in 18 shards; lm_head and the
-    # 15 mtp.* are in the last one
-    "Qwen3.8-27B": Release(18, 5120, 0.85, 0.38, 1.27),
-    "Qwen3.5-35B-A3B": Release(14, 2048, 1.69, 0.84, 0.51, moe=True),
-    "Qwen3.6-35B-A3B": Release(26, 2048, 1.69, 0.84, 0.51, moe=True),
-    "Qwen3.5-122B-A10B": Release(39, 3072, 5.05, 2.51, 0.81, moe=True),
-    "Qwen3.5-397B-A17B": Release(94, 4096, 13.19, 6.58, 2.15, moe=True),
-    # Qwen's block-FP8 releases: what is converted is the BF16 release's plan (the same output tensors), read from
-    # about half the raw bytes, in one file per decoder layer; the largest two are outside.safetensors (embed,
-    # lm_head, vision) and mtp.safetensors
-    "Qwen3.6-27B-FP8": Release(66, 5120, 0.85, 0.38, 1.27, raw_gb=30.87, largest_raw_gb=(6.01, 0.48)),
-    "Qwen3.8-27B-FP8": Release(66, 5120, 0.85, 0.38, 1.27, raw_gb=30.87, largest_raw_gb=(6.01, 0.48)),
-    "Qwen3.6-35B-A3B-FP8": Release(42, 2048, 1.69, 0.84, 0.51, moe=True, raw_gb=37.45, largest_raw_gb=(2.93, 0.86)),
-    # no vendored table: derived from Qwen3.5-397B-A17B's with the FP8 storage rule of the vendored FP8 releases
-    # (which it reproduces byte for byte from their BF16 tables); its file layout is not known, so only a ranged
-    # fetch (raw_window_gb) can be sized
-    "Qwen3.5-397B-A17B-FP8": Release(None, 4096, 13.19, 6.58, 2.15, moe=True, raw_gb=406.13),
-    # Qwen3-Next (model_type qwen3_next): 48 layers, 512 per-expert routed experts + a shared expert on every layer and
-    # in the head; the largest output tensor is one layer's stacked experts projection (512 x 512 x 2048). Thinking
-    # has the Instruct release's config (equal content) and is sized from the Instruct table
-    "Qwen3-Next-80B-A3B-Instruct": Release(41, 2048, 3.30, 1.65, 0.54, moe=True, vocab=151936),
-    "Qwen3-Next-80B-A3B-Thinking": Release(41, 2048, 3.30, 1.65, 0.54, moe=True, vocab=151936),
-    # GLM (zai-org), nextn head: the head is the whole nextn layer model.layers.{num_hidden_layers} (MoE decoder layer,
-    # enorm/hnorm/eh_proj/shared_head.norm, and its own embed_tokens and shared_head.head, vocab x hidden each).
-    # Their tables are reconstructed from the configs with every shard unknown, so only a ranged fetch is sized.
-    # GLM-4.7-Flash (glm4_moe_lite: MLA, 64 routed experts + 1 shared, 47 layers): the largest output tensor is
-    # lm_head (154,880 x 2048)
-    "GLM-4.7-Flash": Release(None, 2048, 2.56, 0.64, 0.32, moe=True, vocab=154880, params_b=31.22),
-    # GLM-4.5-Air (glm4_moe: GQA, 128 routed experts + 1 shared, 46 layers): the largest output tensor is one layer's
-    # stacked routed experts projection (128 x 1408 x 4096)
-    "GLM-4.5-Air": Release(None, 4096, 7.23, 2.34, 0.74, moe=True, vocab=151552, params_b=110.47),
-}
+def read_releases(path: Path = RELEASES_FILE) -> Dict[str, Release]:
+    """Every release a recipe can name, by release name (``data/releases.toml``: one table each, its repo id
+    and the numbers ``Release`` holds)."""
+    rows = tomllib.loads(path.read_text(encoding="utf-8"))
+    out = {}
+    for name, row in rows.items():
+        row = dict(row)
+        repo = row.pop("repo")
+        row["largest_raw_gb"] = tuple(row.get("largest_raw_gb", ()))
+        out[name] = Release(repo=repo, **row)
+    return out
+
+
+RELEASES: Dict[str, Release] = read_releases()
 # runtime.decoding.experts.FLOAT32_EXPERT_BUDGET_BYTES (mlx is not imported here: the workflow runs this module
 # before installing; a test keeps the two equal): float32 experts the smoke casts at once, plus the
 # bf16 gather they are cast from (half as much again).
@@ -326,9 +304,8 @@ def load_recipe(path: Path) -> Recipe:
     unknown = sorted(set(data) - KEYS)
     if unknown:
         raise OptionsError(f"unknown recipe key {unknown[0]!r}", file=path, key=unknown[0])
-    if not isinstance(data.get("repo"), str) or not REPO.match(data["repo"]):
-        raise OptionsError("repo must name a Qwen/Qwen3.5-*, Qwen/Qwen3.6-*, Qwen/Qwen3.8-*, Qwen/Qwen3-Next-* or "
-                           "zai-org/GLM-* repository", file=path, key="repo")
+    if not isinstance(data.get("repo"), str) or data["repo"].count("/") != 1:
+        raise OptionsError("repo must name a Hub repository (owner/name)", file=path, key="repo")
     types = {"revision": str, "bits": int, "group_size": int, "mtp_bits": int, "mtp": str, "q_mode": str,
              "upload_repo": str, "keep_vision": bool, "dtype": str, "runner": str}
     for key, want in types.items():
@@ -342,8 +319,9 @@ def load_recipe(path: Path) -> Recipe:
     if "raw_window_gb" in data and "prefetch_shards" in data:
         raise OptionsError("raw_window_gb and prefetch_shards are exclusive (a ranged fetch holds no whole shard)",
                            file=path, key="raw_window_gb")
-    if data.get("repo", "").split("/")[-1] not in RELEASES:
-        raise OptionsError(f"no runner sizing for {data['repo']}: add it to recipes.RELEASES", file=path, key="repo")
+    if data["repo"] not in {r.repo for r in RELEASES.values()}:
+        raise OptionsError(f"no runner sizing for {data['repo']}: add the release to mtpconvert/data/releases.toml",
+                           file=path, key="repo")
     if data.get("mtp", "keep") not in ("keep", "match", "drop"):
         raise OptionsError("mtp must be keep, match or drop", file=path, key="mtp")
     if "upload_repo" in data and data["upload_repo"].count("/") != 1:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
+import importlib.util
 import json
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from mtpconvert.cli import run
 from mtpconvert.errors import ConfigError
 from mtpconvert.families import FAMILIES, family_for
+from mtpconvert.families.base import resolve
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtpconvert"
 MAX_LINES, MAX_CLI_LINES = 450, 300
@@ -96,13 +99,16 @@ def test_no_module_is_too_long():
     assert long == {}
 
 
-def test_every_model_type_belongs_to_one_family_and_loads_in_mlx_lm():
+def test_every_model_type_belongs_to_one_family_and_its_backbone_module_exists():
     seen = {}
     for family in FAMILIES:
         for model_type, module in family.model_types.items():
             assert model_type not in seen, f"{model_type} claimed by {seen[model_type]} and {family.name}"
             seen[model_type] = family.name
-            importlib.import_module(f"mlx_lm.models.{module}")  # the backbone's loader exists in mlx-lm
+            library = family.backbone_library.replace("-", "_")
+            if library != "mlx_lm" and importlib.util.find_spec(library) is None:
+                continue  # an optional extra (pip install mtpconvert[vlm]); its own tests run with it installed
+            importlib.import_module(f"{library}.models.{module}")  # the backbone's loader exists in its library
             found = family_for({"model_type": model_type, "num_hidden_layers": 2})
             assert found.name == family.name and found.head == family.head
 
@@ -122,7 +128,7 @@ def test_families_lists_the_qwen3_5_family(capsys):
     listed = json.loads(capsys.readouterr().out)
     (qwen,) = [f for f in listed if f["family"] == "qwen3_5"]
     assert set(qwen["model_types"]) == {"qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"}
-    assert qwen["mlx_lm_modules"] == ["qwen3_5", "qwen3_5_moe"]
+    assert qwen["backbone_modules"] == ["mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_5_moe"]
     assert qwen["head"]["hidden_state"] == "post_norm" and qwen["head"]["norms_zero_centred"] is True
     assert {"mlx-vlm", "mtplx", "rapid-mlx", "vllm-mlx"} <= set(qwen["head_runtimes"])
     assert run(["families"]) == 0
@@ -136,3 +142,94 @@ def test_a_familys_runtimes_are_the_compat_tables_runtimes():
     for family in FAMILIES:
         assert set(family.head_runtimes) <= set(family.backbone_runtimes) <= set(RUNTIMES)
         assert set(family.mtp_layouts) <= set(MTP_LAYOUTS)
+
+
+# ---------------------------------------------------------------- a family is one place
+
+
+def _model_type_names():
+    from mtpconvert.families import UNSUPPORTED
+
+    names = set(UNSUPPORTED)
+    for family in FAMILIES:
+        names |= set(family.model_types) | {f"{t}_mtp" for t in family.model_types}
+        if family.drafter_folder_type:
+            names.add(family.drafter_folder_type)
+    return names
+
+
+def _outside_families():
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0] != "families"]
+
+
+def test_no_model_type_is_named_outside_families():
+    """Code, comments and docstrings outside families/ ask the family; none names a model type."""
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(_model_type_names(), key=len, reverse=True))) + r")\b")
+    hits = [f"{p.relative_to(PACKAGE)}:{n}: {line.strip()}" for p in _outside_families()
+            for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
+
+
+def test_the_model_type_scan_finds_a_name():
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, _model_type_names())) + r")\b")
+    assert pattern.search('if config["model_type"] == "glm_moe_dsa":')
+    assert not pattern.search("RecordingGatedDeltaNet, patches/qwen3_5_norm_shift.py")
+
+
+def test_no_family_module_is_imported_outside_families():
+    """Only the registry (``mtpconvert.families``) and the vocabulary (``families.base``) are imported elsewhere;
+    a family's own modules are reached through its ``Family`` (its adapter and runtime table by reference)."""
+    graph = import_graph()
+    allowed = {"mtpconvert.families", "mtpconvert.families.base"}
+    hits = {name: sorted(d for d in deps if d.startswith("mtpconvert.families") and d not in allowed)
+            for name, deps in graph.items() if not name.startswith("mtpconvert.families")}
+    assert {k: v for k, v in hits.items() if v} == {}
+
+
+def test_every_family_reference_resolves_to_its_parts():
+    from mtpconvert.runtime.backbone import Backbone
+
+    for family in FAMILIES:
+        adapter = family.backbone_class()
+        assert issubclass(adapter, Backbone) and adapter.__module__.startswith("mtpconvert.families."), family.name
+        if family.capabilities.batched:  # the batched engine needs per-row caches of every layer kind
+            assert adapter.row_cache is not Backbone.row_cache, family.name
+        if family.capabilities.pre_norm_hidden:  # the library's own forward gives post-norm states only
+            assert adapter.forward is not Backbone.forward, family.name
+        assert callable(resolve(family.compat)), family.name
+
+
+# the runtime stack: what a decode, a smoke or a bench needs, and what planning, verifying and converting don't
+RUNTIME_STACK = ("transformers", "torch", "mlx_lm", "mlx_vlm", "mtpconvert.runtime.decoding",
+                 "mtpconvert.runtime.measure", "mtpconvert.runtime.backbone")
+IMPORTS_PROBE = """
+import json, sys
+from mtpconvert.cli import run
+try:
+    run(json.loads(sys.argv[1]))
+except SystemExit:
+    pass
+stack = json.loads(sys.argv[2])
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in stack or m.startswith(tuple(stack))
+                        or (m.startswith("mtpconvert.families.") and m.endswith((".backbone", ".compat"))))))
+"""
+
+
+@pytest.mark.parametrize("command", [["families", "--json"], ["verify", "{src}", "--json"],
+                                     ["convert", "{src}", "{out}", "--dry-run"],
+                                     ["convert", "{src}", "{out}", "--bits", "4", "--no-smoke"]])
+def test_planning_verifying_and_converting_import_no_runtime(tmp_path, command):
+    """In a fresh interpreter: these commands never import the runtime stack (the decoding smoke's mlx-lm and
+    transformers cost seconds and hundreds of MB on every conversion)."""
+    import subprocess
+    import sys
+
+    from mtpconvert.fixture import fixture_path
+
+    args = [a.format(src=fixture_path("dense"), out=tmp_path / "out") for a in command]
+    done = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, json.dumps(args), json.dumps(RUNTIME_STACK)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    if "--no-smoke" in command:
+        assert (tmp_path / "out" / "config.json").is_file()  # the probe ran the whole conversion

@@ -145,7 +145,7 @@ def test_long_catch_up_runs_in_fixed_width_passes(dense):
     counts = [len(s.pend_t) for s in engine.streams]
     assert max(counts) > 2 * batched.CATCH_UP and len(set(counts)) > 1
     assert batched.head_passes(max(counts), 2) == (3, batched.CATCH_UP)
-    fa = m.lm.model.fa_idx
+    fa = m.backbone.text.model.fa_idx
     while engine.streams:
         engine.step(draft=True)
         pending = [len(s.pend_t) for s in engine.streams]  # the head has read every pair but these

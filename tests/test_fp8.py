@@ -33,7 +33,6 @@ from mtpconvert.options import ConvertOptions, QuantOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.plan.steps import ShiftNorm
 from mtpconvert.runtime.decoding.load import load
-from mtpconvert.runtime.decoding.speculative import backbone_forward
 from mtpconvert.verify import verify
 
 DEQUANT = "dequant:fp8e4m3/128"
@@ -289,7 +288,7 @@ def drafts_and_targets(m, sequences: np.ndarray, start: int):
     draft of token t+2 (from h_t and token t+1) and the backbone's own choice of it (its argmax at t+1). Greedy
     depth-1 MTP decoding accepts exactly the drafts that equal the backbone's choice."""
     tokens = mx.array(sequences)
-    _, h = backbone_forward(m, tokens, m.model.make_cache())
+    _, h = m.backbone.forward(tokens, m.backbone.make_cache())
     h = h[:, start - 1:]
     states = m.head(h[:, :-1], m.embed(tokens[:, start:]), m.head.make_cache())
     return np.array(mx.argmax(m.logits(states), axis=-1)), np.array(mx.argmax(m.logits(h[:, 1:]), axis=-1))

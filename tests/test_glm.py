@@ -226,7 +226,7 @@ def test_batched_decoding_is_refused_with_the_reason(converted):
     from mtpconvert.runtime.decoding.batched import Stream, run_batch
     from mtpconvert.runtime.decoding.load import load
 
-    with pytest.raises(OptionsError, match="--concurrency: batched MTP runs the Qwen head design"):
+    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the glm\w+ family"):
         bench(converted["float"], concurrency=[1, 2], max_tokens=4)
-    with pytest.raises(ValueError, match="batched MTP runs the Qwen head design.*NextNHead"):
+    with pytest.raises(ValueError, match=r"batched MTP does not run the glm\w+ family \(nextn head\)"):
         run_batch(load(converted["float"]), [Stream(IDS[:8], 4)], 1, "mtp")

@@ -230,7 +230,7 @@ def _synthetic_folder(root: Path, layers=12, hidden=256, intermediate=1024, voca
     from mlx.utils import tree_flatten
     from mlx_lm.models.qwen3_5 import Model, ModelArgs
 
-    from mtpconvert.runtime.decoding.mtp import MTPHead
+    from mtpconvert.families import QWEN3_5
 
     src = fixture_path("dense")
     cfg = json.loads((src / "config.json").read_text())
@@ -241,7 +241,7 @@ def _synthetic_folder(root: Path, layers=12, hidden=256, intermediate=1024, voca
               layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(cfg))
-    head = MTPHead(model.language_model.args, 1)
+    head = QWEN3_5.backbone_class()(model, QWEN3_5, cfg).make_head(1)
     tensors = dict(tree_flatten(model.parameters()))
     tensors.update({"language_model.mtp." + k: v for k, v in tree_flatten(head.parameters())})
     tensors = {k: (v * 0.05 if v.ndim > 1 else v).astype(mx.float32) for k, v in tensors.items()}

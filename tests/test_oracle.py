@@ -56,7 +56,7 @@ def test_single_stream_acceptance_follows_p_and_output_stays_greedy(dense, depth
     _, m, prompts, refs = dense
     accepted = proposed = 0
     for i, (ids, ref) in enumerate(zip(prompts, refs)):
-        o = Oracle(p, m.lm.args.vocab_size, {i: ref})
+        o = Oracle(p, m.backbone.vocab_size, {i: ref})
         tokens, st = mtp_generate(m, ids, TOKENS, depth, draft_hook=o.for_stream(i), check_offsets=True)
         assert tokens == ref[:TOKENS]  # the emitted tokens are plain greedy whatever the drafts
         accepted += sum(st.accepted)
@@ -77,7 +77,7 @@ def test_head_still_runs_under_the_oracle(dense, monkeypatch):
     calls = []
     orig = type(m.head).__call__
     monkeypatch.setattr(type(m.head), "__call__", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
-    o = Oracle(1.0, m.lm.args.vocab_size, {0: refs[0]})
+    o = Oracle(1.0, m.backbone.vocab_size, {0: refs[0]})
     proposed = mx.array([3])
     drafted = o.replace(0, 0, proposed)
     assert drafted.item() == refs[0][0]

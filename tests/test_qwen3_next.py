@@ -191,20 +191,19 @@ def test_rollback_restores_the_linear_attention_state(converted):
     """Qwen3-Next's fused GatedDeltaNet records its pass: undoing to each prefix gives the state a pass of
     only that prefix would have left."""
     from mtpconvert.runtime.decoding.load import load
-    from mtpconvert.runtime.decoding.rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
-    from mtpconvert.runtime.decoding.speculative import backbone_forward
+    from mtpconvert.runtime.decoding.rollback import RollbackArraysCache, rollback
 
     m = load(converted["bf16"])
-    enable_rollback(m.model)
+    m.backbone.enable_rollback()
     extra = [5, 17, 42]
     for keep in (1, 2, 3):
-        cache = make_rollback_cache(m.model)
-        backbone_forward(m, mx.array([IDS]), cache)
-        backbone_forward(m, mx.array([extra]), cache)
+        cache = m.backbone.rollback_cache(max_pass=16)
+        m.backbone.forward(mx.array([IDS]), cache)
+        m.backbone.forward(mx.array([extra]), cache)
         rollback(cache, keep, len(extra))
-        ref = make_rollback_cache(m.model)
-        backbone_forward(m, mx.array([IDS]), ref)
-        backbone_forward(m, mx.array([extra[:keep]]), ref)
+        ref = m.backbone.rollback_cache(max_pass=16)
+        m.backbone.forward(mx.array([IDS]), ref)
+        m.backbone.forward(mx.array([extra[:keep]]), ref)
         linear = [(c, r) for c, r in zip(cache, ref) if isinstance(c, RollbackArraysCache)]
         assert linear
         for c, r in linear:

@@ -12,9 +12,9 @@ from mtpconvert.demo import fixture_prompts
 from mtpconvert.fixture import fixture_path
 from mtpconvert.runtime.smoke.decode import encode_prompts
 from mtpconvert.runtime.decoding.load import load
-from mtpconvert.runtime.decoding.rollback import enable_rollback, make_rollback_cache, rollback
+from mtpconvert.runtime.decoding.rollback import rollback
 from mtpconvert.runtime.decoding.sampling import Sampling, accept_drafts
-from mtpconvert.runtime.decoding.speculative import backbone_forward, mtp_generate, plain_generate
+from mtpconvert.runtime.decoding.speculative import mtp_generate, plain_generate
 
 
 def _convert(out, mtp_shift=True, **quant):
@@ -54,13 +54,13 @@ def chi2_stat(counts: np.ndarray, probs: np.ndarray) -> tuple:
 
 def test_rollback_restores_the_exact_state_after_each_kept_prefix(good):
     path, m = good
-    enable_rollback(m.model)
+    m.backbone.enable_rollback()
     ids = encode_prompts(path, fixture_prompts(1))[0]
     extra = [5, 17, 42]
     for keep in (1, 2, 3):
-        cache = make_rollback_cache(m.model)
-        backbone_forward(m, mx.array([ids]), cache)
-        backbone_forward(m, mx.array([extra]), cache)
+        cache = m.backbone.rollback_cache(max_pass=16)
+        m.backbone.forward(mx.array([ids]), cache)
+        m.backbone.forward(mx.array([extra]), cache)
         rollback(cache, keep=keep, length=3)
         ref = m.model.make_cache()  # stock caches, fed only the kept tokens
         m.model(mx.array([ids + extra[:keep]]), cache=ref)
@@ -77,9 +77,9 @@ def test_rollback_restores_the_exact_state_after_each_kept_prefix(good):
 
 def test_rollback_refuses_impossible_keep(good):
     _, m = good
-    enable_rollback(m.model)
-    cache = make_rollback_cache(m.model)
-    backbone_forward(m, mx.array([[1, 2]]), cache)
+    m.backbone.enable_rollback()
+    cache = m.backbone.rollback_cache(max_pass=16)
+    m.backbone.forward(mx.array([[1, 2]]), cache)
     with pytest.raises(ValueError):
         rollback(cache, keep=3, length=2)
 
@@ -214,9 +214,9 @@ def test_speculative_sampling_matches_plain_sampling_end_to_end(weak):
 
 def test_rollback_refuses_a_pass_longer_than_max_pass(good):
     _, m = good
-    enable_rollback(m.model)
-    cache = make_rollback_cache(m.model, max_pass=2)
-    backbone_forward(m, mx.array([[1, 2, 3]]), cache)  # like a prefill: not kept undoable
+    m.backbone.enable_rollback()
+    cache = m.backbone.rollback_cache(max_pass=2)
+    m.backbone.forward(mx.array([[1, 2, 3]]), cache)  # like a prefill: not kept undoable
     rollback(cache, keep=3, length=3)  # keeping everything needs nothing
     with pytest.raises(ValueError, match="max_pass"):
         rollback(cache, keep=2, length=3)

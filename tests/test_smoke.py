@@ -50,7 +50,7 @@ def test_mtp_hidden_feeds_that_state_to_the_head(tmp_path, hidden, which):
 
     from mtpconvert.runtime.smoke.decode import encode_prompts
     from mtpconvert.runtime.decoding.load import load
-    from mtpconvert.runtime.decoding.speculative import backbone_forward, mtp_generate
+    from mtpconvert.runtime.decoding.speculative import mtp_generate
 
     folder = convert(tmp_path, "o")
     m = load(folder)
@@ -67,7 +67,7 @@ def test_mtp_hidden_feeds_that_state_to_the_head(tmp_path, hidden, which):
         mtp_generate(m, prompt, 2, hidden=hidden)
     finally:
         type(m.head).__call__ = real
-    states = backbone_forward(m, mx.array([prompt]), m.model.make_cache())
+    states = m.backbone.forward(mx.array([prompt]), m.backbone.make_cache())
     assert mx.array_equal(seen[0], states[which]).item()
     assert not mx.array_equal(seen[0], states[1 - which]).item()
 

@@ -18,6 +18,7 @@ from mtpconvert.fixture.text import text_fixture_path
 from mtpconvert.options import ConvertOptions, QuantOptions
 from mtpconvert.hub.publish import stub_in_place
 from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+from mtpconvert.families import QWEN3_5
 from mtpconvert.runtime.smoke.sizing import unit_of
 from mtpconvert.runtime.smoke.streamed import SMOKE_DIR, StreamedLayerwise, shards_by_unit
 from test_hub import hub, shards_holding_data  # noqa: F401  (the loopback Hub fixture)
@@ -44,15 +45,15 @@ def test_streamed_equals_the_post_hoc_check_with_each_shard_freed_as_it_is_fed(t
     out = converted(tmp_path, name, mtp_layout)
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     shards = sorted(set(weight_map.values()))  # model-0000k-of-N: the order execute writes them
-    layer_spans = [len(v) for unit, v in shards_by_unit(weight_map).items() if unit.startswith("layer")]
+    layer_spans = [len(v) for unit, v in shards_by_unit(weight_map, QWEN3_5).items() if unit.startswith("layer")]
     assert len(shards) >= 5 and max(layer_spans) >= (3 if name == "moe" else 2), shards  # a layer spans shards
     lm_head_shard = weight_map["language_model.lm_head.weight"]
     assert lm_head_shard == shards[0]
-    head_shards = sorted({s for k, s in weight_map.items() if unit_of(k) == "mtp"})
+    head_shards = sorted({s for k, s in weight_map.items() if unit_of(k, QWEN3_5) == "mtp"})
     assert bool(head_shards) == (mtp_layout == "in-model")
     posthoc = layerwise_acceptance(out, max_prompt_tokens=PROMPT_TOKENS)
 
-    streamed = StreamedLayerwise(weight_map, max_prompt_tokens=PROMPT_TOKENS)
+    streamed = StreamedLayerwise(weight_map, QWEN3_5, max_prompt_tokens=PROMPT_TOKENS)
     for shard in shards:
         assert streamed.feed(shard, out / shard) == [shard]
         stub_in_place(out / shard)
@@ -76,7 +77,7 @@ def test_feed_order_is_free_but_holds_shards_until_their_layers_ran(tmp_path):
     out = converted(tmp_path, "dense")
     weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     shards = sorted(set(weight_map.values()))
-    streamed = StreamedLayerwise(weight_map, max_prompt_tokens=PROMPT_TOKENS)
+    streamed = StreamedLayerwise(weight_map, QWEN3_5, max_prompt_tokens=PROMPT_TOKENS)
     released = [streamed.feed(s, out / s) for s in reversed(shards)]
     assert released[:-2] == [[]] * (len(shards) - 2) and streamed.most_held == len(shards) - 2
     assert streamed.finish().agreed == layerwise_acceptance(out, max_prompt_tokens=PROMPT_TOKENS).agreed

@@ -22,12 +22,12 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3_5 import Model, ModelArgs, TextModelArgs
+from mlx_lm.models.qwen3_5 import Model, ModelArgs
 
 from mtpconvert.fixture import DENSE, MOE
 from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
 from mtpconvert.io.shard_writer import write_all
-from mtpconvert.runtime.decoding.mtp import MTPHead
+from mtpconvert.families import QWEN3_5
 
 from rawexport import to_raw
 
@@ -82,7 +82,7 @@ class Trainee(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         self.backbone = Model(ModelArgs.from_dict(config))
-        self.mtp = MTPHead(TextModelArgs.from_dict(config["text_config"]), 1)
+        self.mtp = QWEN3_5.backbone_class()(self.backbone, QWEN3_5, config).make_head(1)
 
     def losses(self, tokens: mx.array):
         lm = self.backbone.language_model

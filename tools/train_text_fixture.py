@@ -902,7 +902,6 @@ def parity(args) -> None:
 
     sys.path.insert(0, str(REPO))
     from mtpconvert.runtime.decoding.load import load
-    from mtpconvert.runtime.decoding.speculative import backbone_forward
 
     src = Path(args.folder)
     cfg = json.loads((src / "config.json").read_text())
@@ -939,7 +938,7 @@ def parity(args) -> None:
         mm = load(out)
         x = mx.array(ids[None])
         cache = mm.model.make_cache()
-        _, post = backbone_forward(mm, x, cache)
+        _, post = mm.backbone.forward(x, cache)
         m_logits = np.array(mm.logits(post)[0])
         hm = mm.head(post[:, :-1], mm.embed(x[:, 1:]))
         m_mtp = np.array(mm.logits(hm)[0])

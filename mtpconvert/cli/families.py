@@ -26,21 +26,25 @@ EPILOG = """Examples:
 
 @handled
 def families(as_json: o.Json = False):
-    """List each supported family: its config model_types, its MTP head's design, the mlx-lm module that loads
-    its backbone, and the runtimes that use its head."""
+    """List each supported family: its config model_types, the module that loads its backbone (mlx-lm's or
+    mlx-vlm's), its MTP head's design, the runtimes that use its head, and what mtpconvert's runtime does with
+    it (batched decoding, the pre-norm hidden state)."""
     described = api.families()
     if as_json:
         out_console.print_json(json.dumps(described))
         return
     table = Table(title="model families")
-    for column in ("family", "model_type", "mlx-lm module", "MTP head", "head runs in", "layouts"):
+    for column in ("family", "model_type", "backbone module", "MTP head", "head runs in", "layouts", "runtime"):
         table.add_column(column)
     for f in described:
         head = f["head"]
         design = (f"{head['projection']} over [{', '.join(head['concat'])}], {head['layer']}, {head['output']}; "
                   f"fed the {head['hidden_state'].replace('_', '-')} state")
-        table.add_row(f"{f['family']}\n{f['title']}", "\n".join(f["model_types"]), "\n".join(f["mlx_lm_modules"]),
-                      escape(design), "\n".join(f["head_runtimes"]), "\n".join(f["mtp_layouts"]))
+        can = f["capabilities"]
+        runtime = "\n".join([("batched" if can["batched"] else "one stream"),
+                             ("pre/post-norm" if can["pre_norm_hidden"] else "post-norm")])
+        table.add_row(f"{f['family']}\n{f['title']}", "\n".join(f["model_types"]), "\n".join(f["backbone_modules"]),
+                      escape(design), "\n".join(f["head_runtimes"]), "\n".join(f["mtp_layouts"]), runtime)
     print_whole(table, out_console)
 
 

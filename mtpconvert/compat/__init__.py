@@ -29,16 +29,15 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Dict
 
-from . import glm, mlx_lm, mlx_vlm, mtplx, pr990, qwen3_next, rapid_mlx, vllm_mlx
-from .folder import (DRAFTER_TYPE, MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, fp8_files, layout_of, planned_folder,
+from . import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
+from .folder import (MODEL_MTP, SIDECAR, SIDECAR_LINK, Folder, fp8_files, layout_of, planned_folder,
                      read_folder, read_header)
 from .head import Head
 from .report import PRECISION, CompatReport, RuntimeCompat, Verdict, precision_warnings, render, why
 
-__all__ = ["CONTRACTS", "DRAFTER_TYPE", "MODEL_MTP", "PRECISION", "RUNTIMES", "SIDECAR", "SIDECAR_LINK",
-           "CompatReport", "Contract", "Folder", "Head", "RuntimeCompat", "Verdict", "check_folder", "compat",
-           "layout_of", "planned_folder", "precision_warnings", "read_folder", "read_header", "render",
-           "why"]
+__all__ = ["CONTRACTS", "MODEL_MTP", "PRECISION", "RUNTIMES", "SIDECAR", "SIDECAR_LINK", "CompatReport", "Contract",
+           "Folder", "Head", "RuntimeCompat", "Verdict", "check_folder", "compat", "contract_rows", "layout_of",
+           "planned_folder", "precision_warnings", "read_folder", "read_header", "render", "why"]
 
 Contract = Callable[[Folder, str], RuntimeCompat]  # (folder, its layout_of) -> that runtime's row
 
@@ -57,18 +56,23 @@ CONTRACTS: Dict[str, Contract] = {
 # ("mlx-lm<0.32", "mlx-lm>=0.32", "mlx-vlm", "mlx-vlm-drafter", "mtplx", "rapid-mlx", "vllm-mlx", "mlx-lm-pr990")
 RUNTIMES = tuple(CONTRACTS)
 
-# family -> its own rows, where the runtimes read that family differently from Qwen3.5's contracts
-FAMILY_ROWS: Dict[str, Callable[[Folder, str], Dict[str, RuntimeCompat]]] = {
-    "qwen3_next": qwen3_next.rows, "glm4_moe_lite": glm.rows, "glm_moe_dsa": glm.rows, "glm4_moe": glm.rows}
 
 
-def _family_name(config: dict) -> str:
-    from ..families import family_for
+def contract_rows(folder: Folder, layout: str) -> Dict[str, RuntimeCompat]:
+    """Each runtime's row by its contract above: the table of the family they were measured on, and of a
+    folder no family takes. A family whose folders a runtime reads differently gives its own table
+    (``Family.compat``)."""
+    return {r: CONTRACTS[r](folder, layout) for r in RUNTIMES}
+
+
+def _rows(folder: Folder, layout: str) -> Dict[str, RuntimeCompat]:
+    from ..families import drafter_family, family_for
 
     try:
-        return family_for(config).name
-    except Exception:  # noqa: BLE001 - a config no family takes is judged by the Qwen3.5 contracts
-        return ""
+        family = drafter_family(folder.config) or family_for(folder.config)
+    except Exception:  # noqa: BLE001 - a config no family takes is judged by the contracts as measured
+        return contract_rows(folder, layout)
+    return family.runtime_rows(folder, layout)
 
 
 def compat(folder: Folder) -> CompatReport:
@@ -77,12 +81,8 @@ def compat(folder: Folder) -> CompatReport:
     A block-FP8 release is a source to convert: no runtime here was run on one, so each row says
     so (``verified`` False) instead of applying rules measured on MLX folders to its file names."""
     layout = layout_of(folder)
-    family_rows = FAMILY_ROWS.get(_family_name(folder.config))
-    if family_rows is not None:
-        by_runtime = family_rows(folder, layout)
-        rows = [by_runtime[r] for r in RUNTIMES]
-    else:
-        rows = [CONTRACTS[r](folder, layout) for r in RUNTIMES]
+    by_runtime = _rows(folder, layout)
+    rows = [by_runtime[r] for r in RUNTIMES]
     if files := fp8_files(folder):
         source = Verdict(False, f"block-FP8 source (F8_E4M3 weights with weight_scale_inv in {files[0]}"
                                 f"{f' and {len(files) - 1} more' if len(files) > 1 else ''}): convert it first "

@@ -24,7 +24,6 @@ from .report import Verdict
 
 MAX_HEADER = 100 * 1024 * 1024  # a safetensors header is JSON; refuse absurd lengths
 BARE_HEAD_STARTS = ("fc.", "pre_fc_norm", "layers.", "norm.")  # head keys with no prefix at all
-DRAFTER_TYPE = "qwen3_5_mtp"  # mlx-vlm's separate drafter folder
 SIDECAR = "mtp.safetensors"
 SIDECAR_LINK = "mtp/weights.safetensors"
 MODEL_MTP = "model-mtp.safetensors"
@@ -163,7 +162,10 @@ def _mtp_layers(config: dict) -> int:
 
 
 def _is_drafter(config: dict) -> bool:
-    return DRAFTER_TYPE in (config.get("model_type"), _text(config).get("model_type"))
+    """mlx-vlm's head-only drafter folder (``mlx_vlm.convert --mtp``) of some family's head."""
+    from ..families import drafter_family
+
+    return drafter_family(config) is not None
 
 
 def _named_mtp_file(config: dict) -> Optional[str]:
@@ -260,7 +262,7 @@ def layout_of(folder: Folder) -> str:
 
 # --------------------------------------------------------------------------- shared verdicts
 
-NO_BACKBONE = Verdict(None, "drafter folder (model_type qwen3_5_mtp): the head only, no backbone")
+NO_BACKBONE = Verdict(None, "drafter folder (mlx-vlm's head-only folder): the head only, no backbone")
 
 
 def _no_head(layout: str) -> Optional[Verdict]:
@@ -270,7 +272,7 @@ def _no_head(layout: str) -> Optional[Verdict]:
 
 
 def _drafter_head(runtime: str) -> Verdict:
-    return Verdict(False, f"drafter folder (model_type qwen3_5_mtp): {runtime} reads the head from the model "
+    return Verdict(False, f"drafter folder (mlx-vlm's head-only folder): {runtime} reads the head from the model "
                           "folder it serves, not from a separate drafter")
 
 

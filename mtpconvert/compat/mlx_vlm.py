@@ -13,8 +13,8 @@
   ``mtplx_mtp_quantization``, else ``quantization``: per-module entries ``mtp.<module>`` (then
   ``<module>``), else the top-level bits/group. It drafts from the post-norm hidden state.
 
-A drafter folder (``model_type`` ``qwen3_5_mtp``) is the head alone, passed as ``--draft-model`` next
-to its target: its keys are unprefixed (``mtp.`` ones are taken for raw HF keys) and its
+A drafter folder (its ``model_type`` mlx-vlm's own drafter type: ``Family.drafter_folder_type``) is the head
+alone, passed as ``--draft-model`` next to its target: its keys are unprefixed (``mtp.`` ones are taken for raw HF keys) and its
 quantization entries are named ``<module>``.
 """
 
@@ -142,8 +142,8 @@ DRAFTER_ROUTE = "mlx-vlm-drafter"  # the same mlx-vlm, the head given as --draft
 def compat_drafter_route(folder: Folder, layout: str) -> RuntimeCompat:
     """``--model OUT --draft-model OUT/mtp``: mlx-vlm reads ``mtp/config.json`` and, when that is the model's own
     config, its splitter takes the ``mtp.*`` keys of every ``*.safetensors`` in ``mtp/`` (``weights.safetensors``)
-    as mlx-vlm takes them from the model folder. A ``qwen3_5_mtp`` config there would run that drafter's
-    sanitize, which shifts every ``mtp.*`` norm again."""
+    as mlx-vlm takes them from the model folder. A config of mlx-vlm's own drafter type there would run that
+    drafter's sanitize, which shifts every ``mtp.*`` norm again."""
     row = compat(folder, layout)
     if layout == "drafter":
         return RuntimeCompat(DRAFTER_ROUTE, VERSION, row.backbone_exact, row.head_usable)
@@ -155,7 +155,7 @@ def compat_drafter_route(folder: Folder, layout: str) -> RuntimeCompat:
         head = Verdict(False, f"{name} differs from config.json: the drafter would be built from another config")
     elif drafter.get("model_type") != folder.config.get("model_type"):
         head = Verdict(False, f"{name} says model_type {drafter.get('model_type')!r}, not the model's "
-                              f"{folder.config.get('model_type')!r}: a qwen3_5_mtp drafter config shifts the "
+                              f"{folder.config.get('model_type')!r}: a config of mlx-vlm's own drafter type shifts the "
                               "head's norms a second time")
     else:
         files = sorted(f for f in folder.headers if f.startswith("mtp/") and f.count("/") == 1)

@@ -137,7 +137,6 @@ BLOCKING_STATUSES = frozenset({"candidate", "candidate_build_only_benchmark_pend
 BLOCKING_PREFIXES = ("candidate", "fail", "pending", "blocked", "blocker", "needs", "unverified")
 BLOCKING_SPEED_VERDICTS = frozenset({"mtp_acceptance_collapsed", "no_mtp_depth_beat_ar",  # registry.py:76
                                      "no_quality_passed_mtp_depth_beat_ar"})
-QWEN_ARCH = "qwen3-next-mtp"  # the arch id mtplx gives qwen3_5, qwen3_5_moe and qwen3_next folders (registry.py:226)
 TIER_VERIFIED = "verified"
 TIER_UNVERIFIED = "family-compatible-unverified"  # no contract (registry.py:1871)
 TIER_CONTRACT_UNVERIFIED = "architecture-compatible-but-unverified"  # invalid or blocked contract (:1663, :1831)
@@ -188,6 +187,17 @@ def contract_blocker(data: dict) -> Optional[str]:
     return blocker
 
 
+def family_arch(config: dict) -> Optional[str]:
+    """The arch id mtplx gives the folder's family (``Family.mtplx_arch``; its registry.py:226), None when it
+    has none or no family takes the config."""
+    from ..families import drafter_family, family_for
+
+    try:
+        return (drafter_family(config) or family_for(config)).mtplx_arch
+    except Exception:  # noqa: BLE001 - a config no family takes has no arch id
+        return None
+
+
 def read_contract(folder: Folder) -> Tuple[Optional[dict], Optional[str]]:
     """(the folder's mtplx_runtime.json, or why it cannot be read), from the snapshot (``read_folder`` reads it
     with the manifests); a planned folder has none: the conversion writes it only after its smoke."""
@@ -209,8 +219,9 @@ def mtplx_tier(folder: Folder) -> Tuple[str, str]:
     blocker = contract_blocker(data)
     if blocker:
         return TIER_CONTRACT_UNVERIFIED, f"{CONTRACT_FILE}: {blocker}"
-    if str(data["arch_id"]) != QWEN_ARCH:
-        return TIER_CONTRACT_UNVERIFIED, f"{CONTRACT_FILE} names arch_id {data['arch_id']!r}, not {QWEN_ARCH!r}"
+    arch = family_arch(folder.config)
+    if str(data["arch_id"]) != arch:
+        return TIER_CONTRACT_UNVERIFIED, f"{CONTRACT_FILE} names arch_id {data['arch_id']!r}, not {arch!r}"
     return TIER_VERIFIED, f"{CONTRACT_FILE}, exactness baseline {data['exactness_baseline'].get('status', 'given')}"
 
 

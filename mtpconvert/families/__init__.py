@@ -1,12 +1,13 @@
-"""The model families mtpconvert converts: one module each, one registry by config ``model_type``.
+"""The model families mtpconvert converts: one package each, one registry by config ``model_type``.
 
-A new family is one module here that builds a ``Family`` (``families/base.py``), added to
-``FAMILIES``; the plan, verify, compat and the runtime find it through ``family_for``.
+A new family is one package here (``families/<name>/``: its rules in ``__init__``, its backbone adapter,
+its runtime table) that builds a ``Family`` (``families/base.py``), added to ``FAMILIES``; the plan,
+verify, compat, the hub and the runtime find it through ``family_for``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from ..errors import ConfigError
 from .base import Family, config_model_type, text_config
@@ -18,11 +19,12 @@ FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, *GLM_FAMILIES)
 
 # model types seen in releases with an MTP head that no family here converts yet
 UNSUPPORTED: Dict[str, str] = {
-    "deepseek_v3": ("its nextn head is the GLM design (families/glm.py), but DeepSeek-V3's attention, router and "
+    "deepseek_v3": ("its nextn head is the GLM design (families/glm/), but DeepSeek-V3's attention, router and "
                     "head layer count are not yet a family here"),
 }
-UNSUPPORTED["qwen3_5_mtp"] = ("mlx-vlm's drafter folder (`mlx_vlm.convert --mtp`): the MTP head alone, no model to "
-                              "convert; `mtpconvert verify DIR` reads it; convert the model's own release instead")
+UNSUPPORTED.update({family.drafter_folder_type: (
+    "mlx-vlm's drafter folder (`mlx_vlm.convert --mtp`): the MTP head alone, no model to convert; `mtpconvert "
+    "verify DIR` reads it; convert the model's own release instead") for family in FAMILIES if family.drafter_folder_type})
 
 
 def family_for(config: dict) -> Family:
@@ -43,3 +45,12 @@ def family_for(config: dict) -> Family:
 def model_spec(config: dict):
     """config.json validated by its family's rules: the numbers the converter needs."""
     return family_for(config).spec(config)
+
+
+def drafter_family(config: dict) -> Optional[Family]:
+    """The family whose head a head-only drafter folder holds (its config's model_type is that family's
+    ``drafter_folder_type``, the model's own config under ``text_config``); None for any other config."""
+    if not isinstance(config, dict):
+        return None
+    return next((f for f in FAMILIES if f.drafter_folder_type and config.get("model_type") == f.drafter_folder_type),
+                None)

@@ -1,14 +1,20 @@
-"""What every family module fills in, and the vocabulary the plan speaks for all of them.
+"""What every family fills in, and the vocabulary the plan speaks for all of them.
 
-A family (``families/<name>.py``) is a ``Family`` value: declarative fields (the config
-``model_type`` values it answers to, the mlx-lm module that loads its backbone, its head's
-design, the runtimes that use that head) and small hooks, each a pure function over the
-config, a key or the checkpoint's headers. The plan, verify, compat and the runtime ask the
-family; none of them branches on a model name.
+A family (``families/<name>/``) is a ``Family`` value: declarative fields (the config
+``model_type`` values it answers to and the backbone module that loads each, its head's design,
+what each runtime does with its folders, its capabilities) and small hooks, each a pure function
+over the config, a key or the checkpoint's headers. The plan, verify, compat, the hub and the
+runtime ask the family; none of them branches on a model name or imports a family module.
+
+Two parts of a family are named by reference (``"module:attribute"``) and imported only when asked
+for, so that planning, verifying and listing families never import a runtime: its backbone adapter
+(``Family.backbone``: how our runtime drives the loaded model, ``runtime.backbone.Backbone``) and its
+runtime table (``Family.compat``: each runtime's row for its folders, ``compat.RuntimeCompat``).
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -141,18 +147,71 @@ class HeadDesign:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What mtpconvert's runtime does with a family's head beyond one-stream greedy and sampled decoding."""
+
+    batched: bool  # batched MTP decoding of concurrent streams (runtime.decoding.batched, bench --concurrency)
+    pre_norm_hidden: bool  # the head can be fed the backbone's pre-final-norm state (--mtp-hidden pre-norm)
+
+
+@dataclass(frozen=True)
+class ModulePaths:
+    """Where the backbone's parts sit in the MLX model, and so the key prefix of their tensors: what the
+    layerwise check streams by (headers only) and the adapter reaches (``runtime.backbone``)."""
+
+    embed: str  # the input embedding
+    layers: str  # the decoder layers: layer i is ``{layers}.{i}``
+    norm: str  # the final norm
+    lm_head: str  # the output projection (absent when tied to the embedding)
+
+    @classmethod
+    def text_model(cls, prefix: str) -> "ModulePaths":
+        """mlx-lm's text-model layout under ``prefix`` (``language_model.`` or nothing): ``model.embed_tokens``,
+        ``model.layers``, ``model.norm``, ``lm_head``."""
+        return cls(prefix + "model.embed_tokens", prefix + "model.layers", prefix + "model.norm", prefix + "lm_head")
+
+    def layer(self, i: int) -> str:
+        return f"{self.layers}.{i}"
+
+    def unit_of(self, key: str, head_prefixes: Iterable[str]) -> str:
+        """What the layerwise check holds a stored tensor for: ``layer N``, ``mtp`` (the head), ``embed_tokens``,
+        ``lm_head``, ``norm`` (the final one) or ``other``."""
+        if key.startswith(self.layers + "."):
+            index = key[len(self.layers) + 1:].split(".", 1)[0]
+            if index.isdigit():
+                return f"layer {index}"
+        if key.startswith(tuple(head_prefixes)):
+            return "mtp"
+        for unit, path in (("embed_tokens", self.embed), ("lm_head", self.lm_head), ("norm", self.norm)):
+            if key.startswith(path + "."):
+                return unit
+        return "other"
+
+
+def resolve(reference: str):
+    """The object a ``"package.module:attribute"`` reference names, importing its module."""
+    module, _, attribute = reference.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family's rules: declarative fields, then the hooks the pipeline calls."""
 
     name: str
     title: str  # the releases it covers, for people
-    model_types: Mapping[str, str]  # config model_type -> the mlx-lm module that loads the backbone
+    # config model_type -> the module of the backbone's library that loads it (``mlx_lm.models.<module>`` or
+    # ``mlx_vlm.models.<module>``, per ``backbone_library``)
+    model_types: Mapping[str, str]
     head: HeadDesign
     backbone_runtimes: Tuple[str, ...]  # compat.RUNTIMES that load the backbone
     head_runtimes: Tuple[str, ...]  # compat.RUNTIMES that run the head
     mtp_layouts: Tuple[str, ...]  # options.MTP_LAYOUTS this family writes
     head_prefix: str  # canonical MLX prefix of the head's tensors
     lm_head: str  # canonical MLX name of the output projection (absent when tied)
+    capabilities: Capabilities
+    backbone: str  # "module:Class" of its runtime.backbone.Backbone subclass: how our runtime drives the model
+    compat: str  # "module:function" of its runtime table: (compat.Folder, layout) -> {runtime: RuntimeCompat}
     # hooks
     spec: Callable[[dict], object]  # config.json -> the family's ModelSpec (validated)
     expected_slots: Callable[[object, int], Dict[str, Slot]]  # (spec, MTP layers) -> every output slot
@@ -161,16 +220,51 @@ class Family:
     source_name: Callable[[str, str], str]  # (MLX name, style) -> the key such a source would use
     is_zero_centred_norm: Callable[[str], bool]  # MLX name -> whether +1 applies to it on raw weights
     norms_zero_centred: Callable[[Mapping], bool]  # headers -> raw layout? (decided once per checkpoint)
+    backbone_library: str = "mlx-lm"  # the library whose model loads the backbone: mlx-lm or mlx-vlm
     text_prefix: str = ""  # MLX key prefix of the text model (``language_model.`` under a VLM wrapper)
+    modules: Optional[ModulePaths] = None  # None: mlx-lm's text-model layout under text_prefix
     default_style: str = RAW_VLM  # the style of a folder none of whose keys tells (raw and MLX names coincide)
     loadable_config: Callable[[dict], dict] = lambda config: config  # output config -> what mlx-lm's loader needs
     # the output config -> mtp/config.json, the drafter folder's config (plan.head.MTP_DRAFTER_CONFIG)
     drafter_config: Callable[[dict], dict] = lambda config: config
-    mtp_count_key: str = "mtp_num_hidden_layers"  # where the output config states the head's layer count
+    # the model_type of the head-only drafter folder mlx-vlm writes for this head (``mlx_vlm.convert --mtp``)
+    drafter_folder_type: Optional[str] = None
+    # where a config states the head's layer count: the first is what an output config writes, the others are
+    # read too (a release that says it under another name)
+    mtp_count_keys: Tuple[str, ...] = ("mtp_num_hidden_layers",)
+    mtplx_arch: Optional[str] = None  # the arch id mtplx gives this family's folders (None: mtplx has none)
     # the head is one decoder layer whose modules sit right under head_prefix (a nextn layer), not head_prefix.layers.{j}
     single_layer_head: bool = False
     # rules that depend on the config (the nextn layer's index): config -> the family with those hooks bound
     bind: Optional[Callable[["Family", dict], "Family"]] = None
+
+    @property
+    def mtp_count_key(self) -> str:
+        """The key an output config states the head's layer count under."""
+        return self.mtp_count_keys[0]
+
+    @property
+    def module_paths(self) -> ModulePaths:
+        return self.modules or ModulePaths.text_model(self.text_prefix)
+
+    def mtp_layers_in(self, config: dict) -> int:
+        """The head's layer count a config states (text_config first, then the top level), 0 when it states
+        none or states it badly: for readers of any folder (compat, the model card); the plan validates it
+        through ``spec``."""
+        for where in (text_config(config) if isinstance(config.get("text_config"), dict) else config, config):
+            for key in self.mtp_count_keys:
+                value = where.get(key)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+        return 0
+
+    def backbone_class(self):
+        """The family's ``runtime.backbone.Backbone`` subclass (imports the runtime stack)."""
+        return resolve(self.backbone)
+
+    def runtime_rows(self, folder, layout: str) -> dict:
+        """Each runtime's row for a folder of this family (``compat``)."""
+        return resolve(self.compat)(folder, layout)
 
     def style_of(self, keys: Iterable[str]) -> str:
         """The one key style of a folder; a folder that mixes styles was partly converted."""
@@ -204,11 +298,13 @@ class Family:
 
     def describe(self) -> dict:
         """What ``mtpconvert families --json`` prints for this family."""
+        package = self.backbone_library.replace("-", "_")
         return {
             "family": self.name,
             "title": self.title,
             "model_types": sorted(self.model_types),
-            "mlx_lm_modules": sorted(set(self.model_types.values())),
+            "backbone_library": self.backbone_library,
+            "backbone_modules": sorted({f"{package}.models.{m}" for m in self.model_types.values()}),
             "head": {
                 "forward": self.head.forward,
                 "projection": self.head.projection,
@@ -219,9 +315,14 @@ class Family:
                 "shares": list(self.head.shares),
                 "norms_zero_centred": self.head.norms_zero_centred,
             },
+            "mtp_count_key": self.mtp_count_key,
+            "capabilities": {"batched": self.capabilities.batched,
+                             "pre_norm_hidden": self.capabilities.pre_norm_hidden,
+                             "in_model_layout": "in-model" in self.mtp_layouts},
             "backbone_runtimes": list(self.backbone_runtimes),
             "head_runtimes": list(self.head_runtimes),
             "mtp_layouts": list(self.mtp_layouts),
+            "mtplx_arch": self.mtplx_arch,
         }
 
 

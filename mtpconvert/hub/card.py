@@ -9,7 +9,6 @@ left out (there is no ``base_model: unknown``), never guessed.
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from collections import Counter
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ class Folder:
     record: dict  # index metadata "mtpconvert": what made the folder (empty for other tools' folders)
     weight_map: Dict[str, str]
     head_keys: List[str]  # the MTP head's tensor names as stored (sidecar mtp.* or in-model language_model.mtp.*)
+    head_locals: List[str]  # the same, head-local (``fc.weight``, ``layers.0...``)
 
     @property
     def text_config(self) -> dict:
@@ -54,7 +54,7 @@ def read_folder(folder: Path) -> Folder:
     head = locate_mtp(folder)
     head_keys = sorted(head.prefix + k for k in head.tensors) if head else []
     return Folder(folder.name, config, (index.get("metadata") or {}).get("mtpconvert") or {},
-                  index.get("weight_map") or {}, head_keys)
+                  index.get("weight_map") or {}, head_keys, sorted(head.tensors) if head else [])
 
 
 def _spec_text(spec: dict) -> str:
@@ -83,19 +83,26 @@ def mtp_text(f: Folder) -> str:
                     f"{f.dtype})" if rest else "")
 
 
-# the MTP count as mtpconvert writes it, then as vLLM-lineage tools write it (e.g. into a Qwen3-Next config)
-MTP_COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
-HEAD_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.")
-
-
 def mtp_layers_text(f: Folder) -> str:
-    """The head's layer count: the config's, else (a config with no count, as Qwen3-Next publishes it) the layers
-    its tensors hold."""
-    for key in MTP_COUNT_KEYS:
-        if isinstance(f.text_config.get(key), int):
-            return str(f.text_config[key])
-    found = {m.group(1) for k in f.head_keys for m in [HEAD_LAYER.search(k)] if m}
-    return f"{len(found)} (from its tensors: config.json has no count)" if found else "0"
+    """The head's layer count: the config's (under any key its family reads), else (a config with no count, as
+    Qwen3-Next publishes it) the layers its tensors hold."""
+    family = family_of(f.config)
+    keys = family.mtp_count_keys if family is not None else ()
+    stated = next((f.text_config[k] for k in keys if isinstance(f.text_config.get(k), int)), None)
+    if stated is not None:
+        return str(stated)
+    layers = family.head_layers(family.head_prefix + k for k in f.head_locals)[0] if family is not None else 0
+    return f"{layers} (from its tensors: config.json has no count)" if layers else "0"
+
+
+def family_of(config: dict):
+    """The folder's family, None when no family takes its config."""
+    from ..families import family_for
+
+    try:
+        return family_for(config)
+    except Exception:  # noqa: BLE001 - a card still describes a folder no family takes
+        return None
 
 
 def base_model_of(f: Folder, given: Optional[str]) -> Optional[str]:
@@ -205,8 +212,9 @@ def card_data(f: Folder, base_model: Optional[str]):
 
     quantized = bool(f.config.get("quantization"))
     extra = {"base_model_relation": "quantized"} if base_model and quantized else {}
+    model_type = f.config.get("model_type")
     return ModelCardData(library_name="mlx", base_model=base_model, pipeline_tag="text-generation",
-                         tags=["mlx", "mtp", "speculative-decoding", f.config.get("model_type", "qwen3_5")], **extra)
+                         tags=["mlx", "mtp", "speculative-decoding", *([model_type] if model_type else [])], **extra)
 
 
 def model_card(folder: Path, repo_id: str, *, smoke_acceptance: Optional[float] = None,

@@ -273,7 +273,7 @@ def shard_publisher(publish: dict, partial: Path, token: Optional[str], plan, ch
     smoke = checks.smoke and plan.mtp_layers > 0
     consumer = None
     if smoke and checks.smoke_mode != "full":
-        consumer = StreamedLayerwise(index_json(plan)["weight_map"], prompts=checks.prompts,
+        consumer = StreamedLayerwise(index_json(plan)["weight_map"], plan.family, prompts=checks.prompts,
                                      min_acceptance=checks.floor_for("layerwise"), min_mlp_gain=checks.min_mlp_gain)
     return ShardPublisher(publish["repo_id"], partial, token=token, private=publish["private"],
                           keep_files=smoke and consumer is None, consumer=consumer)

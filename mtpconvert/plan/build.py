@@ -226,26 +226,27 @@ def _head_layers(ckpt: Checkpoint, family: Family, spec, contribs: Dict[str, Lis
         for t in [t for t in contribs if family.is_head(t)]:
             dropped += [(c.source, "--mtp drop") for c in contribs.pop(t)]
         return 0
+    key = family.mtp_count_key
     if spec.mtp_layers is None and not (any_mtp and n_mtp == 0):
         if n_mtp:
-            notes.append(f"config.json has no mtp_num_hidden_layers: {n_mtp} MTP layer(s) found in the tensors, "
+            notes.append(f"config.json has no {key}: {n_mtp} MTP layer(s) found in the tensors, "
                          "written into the output config")
         return n_mtp
     if n_mtp == spec.mtp_layers and not (any_mtp and n_mtp == 0):
         return n_mtp
     if n_mtp == 0 and spec.mtp_layers:
         raise LayoutError(
-            f"config.json promises mtp_num_hidden_layers={spec.mtp_layers} but the checkpoint "
+            f"config.json promises {key}={spec.mtp_layers} but the checkpoint "
             "has no MTP layers" + (" (only partial mtp.* tensors)" if any_mtp else " (no mtp.* tensors)"),
             file=ckpt.root / "config.json",
-            hint="pass --mtp drop to write mtp_num_hidden_layers: 0, or graft the head with "
+            hint=f"pass --mtp drop to write {key}: 0, or graft the head with "
             "`mtpconvert add-mtp` from the original release",
         )
     raise LayoutError(
         f"checkpoint has {n_mtp} MTP layer(s) but config.json says "
-        f"mtp_num_hidden_layers={spec.mtp_layers}",
+        f"{key}={spec.mtp_layers}",
         file=ckpt.root / "config.json",
-        hint="pass --mtp drop to discard the MTP tensors, or fix mtp_num_hidden_layers",
+        hint=f"pass --mtp drop to discard the MTP tensors, or fix {key}",
     )
 
 
@@ -386,8 +387,7 @@ def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) ->
 
 
 
-def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision: bool,
-                  mtp_count_key: str = "mtp_num_hidden_layers") -> dict:
+def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision: bool, mtp_count_key: str) -> dict:
     """config.json for the output: loadable by stock mlx-lm, honest about MTP and quantization."""
     out = copy.deepcopy(config)
     # a converted source's head placement is re-decided by this conversion's layout

@@ -19,10 +19,11 @@ from .steps import gather_step
 # shifts every backbone norm again when any of its keys contains "mtp.".
 MTP_LINK = "mtp/weights.safetensors"
 MTP_MANIFEST = "mtp/manifest.json"
-# mtp/ is also a drafter folder (``--draft-model OUT/mtp`` in mlx-vlm): the model's own config, so that
-# mlx-vlm's splitter for that model type reads mtp/weights.safetensors as written (format mlx: no
-# shift). A drafter config with model_type qwen3_5_mtp would send the head through that drafter's
-# sanitize, which adds +1 to every mtp.* norm a second time.
+# mtp/ is also a drafter folder (``--draft-model OUT/mtp`` in mlx-vlm) whose config the family writes
+# (``Family.drafter_config``): for a Qwen head the model's own config, so that mlx-vlm's splitter for that
+# model type reads mtp/weights.safetensors as written (format mlx: no shift); a config of mlx-vlm's own
+# Qwen drafter type would send the head through that drafter's sanitize, which adds +1 to every mtp.*
+# norm a second time.
 MTP_DRAFTER_CONFIG = "mtp/config.json"
 MTP_MANIFEST_BODY = {"artifact_schema_version": 1, "rmsnorm_weight_format": "mlx_gamma"}
 SIDECAR_PREFIX = "mtp."

@@ -18,7 +18,7 @@ folder being built. ``upload`` writes none: it never writes into the folder it i
 ``convert`` made already has its file). The fields, and where each comes from:
 
 * ``mtplx_version``: the mtplx release whose contract format this follows (2.12.2); mtplx did not run;
-* ``arch_id``: mtplx's arch id for the folder's family (``ARCH_IDS``); a family mtplx has none for
+* ``arch_id``: mtplx's arch id for the folder's family (``Family.mtplx_arch``); a family mtplx has none for
   gets no file;
 * ``mtp_depth_max``: the deepest draft chain the smoke decoded at with output identical to plain
   greedy: depth 3 (mtplx's default serving depth, which it caps at this value: commands/public.py
@@ -41,20 +41,9 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from ..runtime.smoke.floors import DECODING_MIN_ACCEPTANCE, MIN_MLP_GAIN
-from ..compat.mtplx import CONTRACT_FILE, DEFAULT_PROFILE, QWEN_ARCH, contract_error
+from ..compat.mtplx import CONTRACT_FILE, DEFAULT_PROFILE, contract_error, family_arch
 
 MTPLX_VERSION = "2.12.2"  # the release whose RuntimeContract this file satisfies (interop-measured)
-ARCH_IDS = {"qwen3_5": QWEN_ARCH, "qwen3_next": QWEN_ARCH}  # family name -> mtplx arch id (registry.py:226)
-
-
-def arch_id(config: dict) -> Optional[str]:
-    from ..families import family_for
-
-    try:
-        return ARCH_IDS.get(family_for(config).name)
-    except Exception:  # noqa: BLE001 - a config no family takes has no arch id
-        return None
-
 
 def _verified_on() -> dict:
     from .. import __version__
@@ -77,7 +66,7 @@ def _verified_on() -> dict:
 
 def build(config: dict, record) -> Tuple[Optional[dict], str]:
     """(the contract, or None; why, in words) from a folder's config and its ``checks.GateRecord``."""
-    arch = arch_id(config)
+    arch = family_arch(config)
     result = record.smoke
     if arch is None:
         return None, "mtplx has no arch id for this model family"

@@ -98,8 +98,8 @@ def check_manifests(root: Path, report) -> None:
 
 def check_drafter_config(root: Path, config: dict, report) -> None:
     """``mtp/config.json`` makes ``mtp/`` the drafter folder mlx-vlm's ``--draft-model`` takes: it must be what the
-    family writes there (``Family.drafter_config``): for Qwen the model's own config (a ``qwen3_5_mtp`` one would
-    shift the head's norms again), for GLM its ``<model_type>_mtp`` drafter over the model's config; another
+    family writes there (``Family.drafter_config``): for Qwen the model's own config (one of mlx-vlm's own drafter
+    type would shift the head's norms again), for GLM its ``<model_type>_mtp`` drafter over the model's config; another
     model's would build another head. A warning: only that route is affected, and the table's mlx-vlm-drafter
     row says it cannot be used."""
     from ..families import family_for

@@ -1,7 +1,7 @@
 """verify: the folder shapes other converters publish, read as what they are.
 
-* mlx-vlm's drafter folder (``mlx_vlm.convert --mtp`` writes ``<out>-mtp``): ``config.json`` with
-  ``model_type: qwen3_5_mtp`` and the model's ``text_config``; the head's tensors unprefixed (``fc.weight``,
+* mlx-vlm's drafter folder (``mlx_vlm.convert --mtp`` writes ``<out>-mtp``): ``config.json`` with the
+  family's ``drafter_folder_type`` as ``model_type`` and the model's ``text_config``; the head's tensors unprefixed (``fc.weight``,
   ``layers.0.…``) in ``model.safetensors``; per-module quantization entries named ``<module>``. verify reads
   it as the head alone (the family of its ``text_config``, the keys as ``mtp.<key>``), like ``OUT/mtp``.
 * A folder whose config declares MTP layers but holds no head (``mlx_lm.convert``, ``mlx_vlm.convert``,
@@ -20,14 +20,14 @@ import re
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ..families.base import CONV, kv_b_fits, text_config
+from ..families import drafter_family
+from ..families.base import text_config
 from ..io.checkpoint import Checkpoint
 from ..io.files import contained
 from ..io.header import read_header
-
-DRAFTER_TYPE = "qwen3_5_mtp"
-HEAD_PREFIX = "mtp."
 from .report import INFO
+
+HEAD_PREFIX = "mtp."
 MAIN_RUNTIMES = ("mlx-vlm", "mtplx", "rapid-mlx", "vllm-mlx")  # stock mlx-lm has no MTP; PR #990 is a branch
 HEAD_FILES = ("model-mtp.safetensors", "mtp/weights.safetensors")  # where vllm-mlx's tools put the head
 
@@ -53,7 +53,7 @@ def with_head_file(ckpt: Checkpoint) -> Tuple[Checkpoint, Optional[str]]:
 
 
 def is_drafter(config: dict) -> bool:
-    return isinstance(config, dict) and config.get("model_type") == DRAFTER_TYPE
+    return drafter_family(config) is not None
 
 
 def drafter_view(ckpt: Checkpoint) -> Tuple[Checkpoint, None]:
@@ -79,13 +79,14 @@ def drafter_finding(report, path: Path) -> None:
     except (OSError, ValueError):
         config = {}
     target = _target_beside(Path(path)) or "TARGET"
-    report.model_type = f"{DRAFTER_TYPE} (drafter of {report.model_type})"
+    drafter_type = config.get("model_type", "?")
+    report.model_type = f"{drafter_type} (drafter of {report.model_type})"
     used = [r.runtime for r in report.runtimes if r.head_usable.ok]
     not_used = [r.runtime for r in report.runtimes if not r.head_usable.ok]
     for f in report.findings:
         if f.code == "head-only":
             f.code = "mlx-vlm-drafter"
-            f.message = (f"mlx-vlm's drafter folder (model_type {DRAFTER_TYPE}, as `mlx_vlm.convert --mtp` writes "
+            f.message = (f"mlx-vlm's drafter folder (model_type {drafter_type}, as `mlx_vlm.convert --mtp` writes "
                          f"it): the MTP head alone, {report.mtp_layers_found} layer(s), block_size "
                          f"{config.get('block_size', '?')}; used next to its target: `mlx_vlm.generate --model "
                          f"{target} --draft-model {path} --draft-kind mtp`. Usable by: {', '.join(used) or 'none'}. "
@@ -123,12 +124,13 @@ def source_repo(root: Path) -> str:
     return m.group(1) if m else "SOURCE_REPO"
 
 
-def missing_head_message(root: Path, layers: int) -> str:
-    """What a folder whose config declares MTP layers but holds no head lacks, for which runtime, and the fix."""
-    msg = (f"config.json says mtp_num_hidden_layers={layers} but the folder has no mtp.* weights (mlx_lm.convert "
+def missing_head_message(root: Path, count_key: str, layers: int) -> str:
+    """What a folder whose config declares MTP layers (under ``count_key``) but holds no head lacks, for which
+    runtime, and the fix."""
+    msg = (f"config.json says {count_key}={layers} but the folder has no mtp.* weights (mlx_lm.convert "
            "and mlx_vlm.convert drop them): no MTP runtime can draft with it, and the mlx-lm PR #990 branch refuses "
            f"to load it. Graft the head: `mtpconvert add-mtp {source_repo(root)} {root}`; or re-convert with "
-           "mtpconvert, or set mtp_num_hidden_layers to 0")
+           f"mtpconvert, or set {count_key} to 0")
     drafter = drafter_beside(root)
     if drafter is not None:
         msg += (f". A drafter folder from `mlx_vlm.convert --mtp` is beside it: mlx-vlm alone can use the pair "

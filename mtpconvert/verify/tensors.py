@@ -102,10 +102,10 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
     claimed = n_mtp if spec.mtp_layers is None else spec.mtp_layers
     if spec.mtp_layers is None and any_mtp:
         report.add("mtp-count-missing", WARNING,
-                   f"config.json has no mtp_num_hidden_layers but the folder has {n_mtp} MTP layer(s); runtimes "
+                   f"config.json has no {family.mtp_count_key} but the folder has {n_mtp} MTP layer(s); runtimes "
                    "read the count from the config (mtpconvert convert writes it)", _mtp_count_key(ckpt), _config_file(ckpt))
     if spec.mtp_layers and not any_mtp:
-        report.add("mtp-missing", ERROR, missing_head_message(ckpt.root, spec.mtp_layers),
+        report.add("mtp-missing", ERROR, missing_head_message(ckpt.root, family.mtp_count_key, spec.mtp_layers),
                    _mtp_count_key(ckpt), _config_file(ckpt))
     elif n_mtp != claimed and any_mtp:
         report.add("mtp-count", ERROR,

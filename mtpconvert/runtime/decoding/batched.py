@@ -41,11 +41,10 @@ import mlx.core as mx
 
 from .draft_policy import DraftPolicy
 from .load import MTPModel
-from .mtp import MTPHead
-from .rowcache import RowKVCache, make_row_cache, undo_rows
+from .rowcache import RowKVCache, undo_rows
 from .rows import StepLog, Stream, choose, decide, draw_key, emit, processed, processed_positions, simple
 from .sampling import categorical
-from .speculative import DecodeStats, backbone_forward, linear_states, prepare_speculative
+from .speculative import DecodeStats, linear_states, prepare_speculative
 
 CATCH_UP = 32  # width of each head pass of a catch-up (see ``head_passes``)
 
@@ -65,10 +64,9 @@ class BatchedMTP:
     """The batch: its streams, one set of row caches, and ``step``."""
 
     def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm", keep_hook=None):
-        if not isinstance(m.head, MTPHead):
-            # the row caches (rowcache.py) hold full attention and GatedDeltaNet state only
-            raise ValueError(f"batched MTP runs the Qwen head design; this {m.config.get('model_type')} model's "
-                             f"{type(m.head).__name__} decodes one stream at a time")
+        if not m.family.capabilities.batched:
+            raise ValueError(f"batched MTP does not run the {m.family.name} family ({m.family.head.forward} head): "
+                             "it decodes one stream at a time")
         prepare_speculative(m, depth, hidden)
         self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
         # keep_hook(stream id, output position) -> bool: whether a greedy row's draft at that position is
@@ -104,9 +102,9 @@ class BatchedMTP:
             raise RuntimeError("a plain step was built ahead for the current rows: run it before rows join")
         m = self.m
         t0 = time.perf_counter()
-        cache = make_row_cache(m.model, max_pass=self.depth + 1, rows=len(streams))
+        cache = m.backbone.row_cache(max_pass=self.depth + 1, rows=len(streams))
         prompts = mx.array([s.prompt for s in streams])
-        states = backbone_forward(m, prompts, cache)
+        states = m.backbone.forward(prompts, cache)
         last = m.logits(states[1][:, -1])  # [G, V]
         first = mx.concatenate([
             choose(s.sampling, processed(s, last[r:r + 1], prompts[r]), draw_key(s.seed, 0, "verify"))
@@ -191,7 +189,7 @@ class BatchedMTP:
         position's state. ``after`` = 1 when ``fed`` is the lazy output of a step whose tokens are not
         in the streams yet (histories and draw positions then count it)."""
         m, rows = self.m, self.streams
-        states = backbone_forward(m, fed, self.cache)
+        states = m.backbone.forward(fed, self.cache)
         logits = m.logits(states[1][:, 0])  # [B, V]
         if all(simple(s) for s in rows):  # greedy, no processors: one argmax for the batch
             tokens = mx.argmax(logits, axis=-1)
@@ -213,7 +211,7 @@ class BatchedMTP:
         head_width = max(len(s.pend_t) for s in rows)
         drafts, q = self._draft(drafting)
         mx.async_eval(drafts)  # the device runs the head while the verify pass's graph is built
-        states = backbone_forward(m, mx.concatenate([confirmed, drafts], axis=1), self.cache)
+        states = m.backbone.forward(mx.concatenate([confirmed, drafts], axis=1), self.cache)
         logits = m.logits(states[1])  # [B, S, V]
         if all(simple(s) for s in rows):  # greedy, no processors: the decision is batched
             next_tokens = mx.argmax(logits, axis=-1)  # [B, S]

@@ -1,9 +1,10 @@
-"""Load a converted folder: stock mlx-lm backbone plus our MTP head.
+"""Load a converted folder: the backbone as its library loads it, plus our MTP head.
 
-The backbone comes from ``mlx_lm.utils.load_model`` unchanged (it drops ``mtp.*``);
-the head is built from mlx-lm's layers, quantized exactly as config.json says, and
-filled from wherever the folder keeps it: the ``mtp.safetensors`` sidecar or the family's
-head prefix (``language_model.mtp.*``) inside the shards (experts stacked, per expert or fused).
+The backbone comes from its family's adapter (``Family.backbone``: mlx-lm's ``load_model`` unchanged, which
+drops ``mtp.*``, or mlx-vlm's loader); the head is built by that adapter from the backbone's own layers,
+quantized exactly as config.json says, and filled from wherever the folder keeps it: the ``mtp.safetensors``
+sidecar or the family's head prefix (``language_model.mtp.*``) inside the shards (experts stacked, per expert or
+fused).
 """
 
 from __future__ import annotations
@@ -16,30 +17,37 @@ from typing import Dict, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
-from mlx_lm.utils import infer_quant_config, load_model
+from mlx_lm.utils import infer_quant_config
 
 from ...errors import LayoutError
 from ...families import family_for
 from ...families.base import RAW_TEXT, RAW_VLM, Family
+from ...io.checkpoint import load_json, open_checkpoint
+from ..backbone import Backbone
+from .heads import stack_experts
 from .locate import HEAD_PREFIXES, locate_mtp
-from .mtp import MTPHead, make_head, stack_experts, text_model
 
 
 @dataclass
 class MTPModel:
-    model: nn.Module  # stock mlx-lm Model (the family's module)
-    head: MTPHead
+    backbone: Backbone  # the loaded model, reached by role through its family's adapter
+    head: nn.Module  # the head of the family's design (runtime.decoding.heads)
     config: dict
 
     @property
-    def lm(self):
-        return text_model(self.model)
+    def model(self) -> nn.Module:
+        """The model as its library built it: what that library's own generate loop and caches take."""
+        return self.backbone.model
+
+    @property
+    def family(self) -> Family:
+        return self.backbone.family
 
     def embed(self, tokens: mx.array) -> mx.array:
         """The embedding the head reads: its own where it has one (GLM-4.x's nextn), else the backbone's."""
         if "embed_tokens" in self.head:
             return self.head.embed_tokens(tokens)
-        return self.lm.model.embed_tokens(tokens)
+        return self.backbone.embed(tokens)
 
     def draft_logits(self, state: mx.array) -> mx.array:
         """Logits of a head state: through the head's own output projection where it has one."""
@@ -48,9 +56,7 @@ class MTPModel:
         return self.logits(state)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if getattr(self.lm.args, "tie_word_embeddings", False):
-            return self.lm.model.embed_tokens.as_linear(hidden)
-        return self.lm.lm_head(hidden)
+        return self.backbone.logits(hidden)
 
 
 def _mtp_weights(path: Path, family: Family) -> Dict[str, mx.array]:
@@ -86,8 +92,6 @@ def float32_experts_on_cpu(module: nn.Module) -> int:
 
 def _refuse_raw(path: Path) -> None:
     """A raw Hugging Face folder has an MTP head but no MLX layout yet: say so, not "no MTP head"."""
-    from ...io.checkpoint import open_checkpoint
-
     try:
         ckpt = open_checkpoint(path)
         style = family_for(ckpt.config).style_of(ckpt.tensors)
@@ -103,8 +107,9 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
     if not (path / "config.json").is_file():
         raise LayoutError("not a converted model folder: no config.json", file=path)
     _refuse_raw(path)
-    model, config = load_model(path, lazy=lazy)
-    family = family_for(config)
+    family = family_for(load_json(path / "config.json", "config.json"))
+    backbone = family.backbone_class().load(path, family, lazy=lazy)
+    config = backbone.config
     n = family.spec(config).mtp_layers or 0  # the family's count keys (Qwen3-Next also num_nextn_predict_layers)
     weights = _mtp_weights(path, family)
     if n == 0 or not weights:
@@ -114,8 +119,7 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
             file=path,
             hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",
         )
-    lm = text_model(model)
-    head = make_head(family, model, n)
+    head = backbone.make_head(n)
     quant: Optional[dict] = config.get("quantization")
     if quant:
         def predicate(p, m):
@@ -132,9 +136,9 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise LayoutError(f"MTP weights do not fit the MTP head: {e}", file=path) from e
-    float32_experts_on_cpu(model)
+    float32_experts_on_cpu(backbone.model)
     float32_experts_on_cpu(head)
     if not lazy:
         mx.eval(head.parameters())
     head.eval()
-    return MTPModel(model, head, config)
+    return MTPModel(backbone, head, config)

@@ -2,8 +2,10 @@
 
 Full-attention layers keep a ``KVCache``: undoing n tokens is ``trim(n)``.
 Linear-attention (GatedDeltaNet) layers keep a conv window and an SSM state that every
-token overwrites, so there is nothing to trim. ``RecordingGatedDeltaNet`` is mlx-lm's
-GatedDeltaNet whose forward, when its cache is a ``RollbackArraysCache``, runs the pass
+token overwrites, so there is nothing to trim. A family's recording twin of its GatedDeltaNet
+(``RecordingGatedDelta`` over the library's class, in the family's backbone adapter, which swaps
+it in: ``Backbone.enable_rollback``) is that layer whose forward, when its cache is a
+``RollbackArraysCache``, runs the pass
 exactly as the stock forward does (one recurrence call over all positions) and only keeps
 references to what went in: the state before the pass, the conv input and the per-position
 q, k, v, a, b. ``rollback(keep)`` then takes the conv window from the kept positions and
@@ -20,18 +22,14 @@ from typing import NamedTuple, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
-from mlx_lm.models.qwen3_5 import GatedDeltaNet
-from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
-
-from .mtp import text_model
 
 
 class LinearPass(NamedTuple):
     """What went into one linear-attention pass: enough to recompute its state at any prefix."""
 
-    layer: GatedDeltaNet
+    layer: nn.Module  # the recording GatedDeltaNet (its A_log, dt_bias and conv kernel size)
     conv_input: mx.array  # [B, K-1 + S, C]: the conv window before the pass, then the S inputs
     q: mx.array
     k: mx.array
@@ -81,8 +79,9 @@ class RollbackArraysCache(ArraysCache):
         self.pass_length = keep
 
 
-class _Recording:
-    """The recording forward shared by every GatedDeltaNet variant; ``_project`` is where they differ."""
+class RecordingGatedDelta:
+    """The recording forward shared by every GatedDeltaNet variant, mixed in before the library's class
+    (``class Twin(RecordingGatedDelta, GatedDeltaNet)``): ``_project`` is where the variants differ."""
 
     def _project(self, inputs: mx.array):
         """(mixed q|k|v before the conv, z, b, a) of the input positions."""
@@ -122,49 +121,6 @@ class _Recording:
 
         out = self.norm(out, z)
         return self.out_proj(out.reshape(B, S, -1))
-
-
-class RecordingGatedDeltaNet(_Recording, GatedDeltaNet):
-    """Qwen3.5's GatedDeltaNet (split projections) whose pass can be undone to any prefix."""
-
-    def _project(self, inputs: mx.array):
-        B, S, _ = inputs.shape
-        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(inputs), z, self.in_proj_b(inputs), self.in_proj_a(inputs)
-
-
-class RecordingNextGatedDeltaNet(_Recording, Qwen3NextGatedDeltaNet):
-    """Qwen3-Next's GatedDeltaNet (fused in_proj_qkvz / in_proj_ba, mlx-lm's own reordering)."""
-
-    def _project(self, inputs: mx.array):
-        B, S, _ = inputs.shape
-        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
-        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
-        return qkv, z, b, a
-
-
-# each mlx-lm linear-attention class and its recording twin (same parameters, same stock forward)
-RECORDING = {GatedDeltaNet: RecordingGatedDeltaNet, Qwen3NextGatedDeltaNet: RecordingNextGatedDeltaNet}
-
-
-def enable_rollback(model: nn.Module) -> None:
-    """Make every linear-attention layer of a loaded model record states (idempotent).
-
-    Only the class changes: parameters, names and the stock forward (used whenever the
-    cache is not a RollbackArraysCache) stay exactly mlx-lm's.
-    """
-    for layer in text_model(model).model.layers:
-        if getattr(layer, "is_linear", False) and type(layer.linear_attn) in RECORDING:
-            layer.linear_attn.__class__ = RECORDING[type(layer.linear_attn)]
-
-
-def make_rollback_cache(model: nn.Module, max_pass: int = 16) -> list:
-    """Caches for a speculative decode: passes of up to ``max_pass`` tokens can be undone. A model without
-    linear attention keeps mlx-lm's own caches (KVCache, or GLM-5's CacheList of two), which trim."""
-    layers = text_model(model).model.layers
-    if not any(getattr(layer, "is_linear", False) for layer in layers):
-        return make_prompt_cache(model)
-    return [RollbackArraysCache(max_pass) if layer.is_linear else KVCache() for layer in layers]
 
 
 def rollback(cache: list, keep: int, length: int) -> None:

@@ -16,7 +16,7 @@ it), so one row cannot drop its rejected drafts while another keeps them. Here:
     cuDNN attention graph for every new (query, key, mask) shape of a multi-token query, 45-180 ms
     each.
 ``RowRollbackCache``  linear attention (GatedDeltaNet). The recording forward keeps the last
-    pass's inputs (``rollback.RecordingGatedDeltaNet``); ``rollback_rows(keep)`` re-runs the
+    pass's inputs (``rollback.RecordingGatedDelta``); ``rollback_rows(keep)`` re-runs the
     recurrence once over the pass with a per-row mask (position i counts for row r only when
     i < keep_r; a masked position leaves the state as it was, ``mx.where`` in mlx-lm's step) and
     takes each row's conv window at its own cut. Padding and rejected drafts so never reach a
@@ -30,7 +30,6 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from .mtp import text_model
 from .rollback import RollbackArraysCache
 
 
@@ -183,12 +182,6 @@ class RowRollbackCache(RollbackArraysCache):
     def extend(self, other: "RowRollbackCache") -> None:
         super().extend(other)
         self.last_pass, self.pass_length = None, 0
-
-
-def make_row_cache(model, max_pass: int, rows: int = 1) -> list:
-    """Empty caches for new rows (prefilled together, then appended to the batch with ``extend``)."""
-    return [RowRollbackCache(max_pass) if layer.is_linear else RowKVCache([0] * rows)
-            for layer in text_model(model).model.layers]
 
 
 def undo_rows(cache: list, keep: Sequence[int], length: int) -> None:

@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.models.cache import CacheList, make_prompt_cache
+from mlx_lm.models.cache import CacheList
 
 from .load import MTPModel
 from . import cuda_qmv
-from .rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
+from .rollback import RollbackArraysCache, rollback
 from .sampling import Sampling, accept_drafts, categorical
 
 
@@ -106,20 +105,6 @@ class DecodeStats:
         }
 
 
-def backbone_forward(m: MTPModel, tokens: mx.array, cache: list):
-    """Run the backbone; return (pre-norm, post-norm) hidden states of every position. A model without
-    linear attention runs its own forward, which gives the post-norm states only (pre-norm is None)."""
-    inner = m.lm.model
-    if not hasattr(inner, "fa_idx"):
-        return None, inner(tokens, cache)
-    x = inner.embed_tokens(tokens)
-    fa_mask = create_attention_mask(x, cache[inner.fa_idx])
-    ssm_mask = create_ssm_mask(x, cache[inner.ssm_idx])
-    for layer, c in zip(inner.layers, cache):
-        x = layer(x, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
-    return x, inner.norm(x)
-
-
 def cache_offset(cache) -> int:
     """Tokens an attention layer's cache holds (GLM-5's CacheList: its first cache's)."""
     return cache[0].offset if isinstance(cache, CacheList) else cache.offset
@@ -141,19 +126,19 @@ def plain_generate(
     m: MTPModel, prompt: Sequence[int], max_tokens: int, sampling: Sampling = Sampling(),
     seed: Optional[int] = None, eos: Sequence[int] = (), on_tokens: Optional[Callable[[int], None]] = None,
 ):
-    """Baseline: stock mlx-lm forward, one token per step, same sampler. Returns (tokens, stats)."""
+    """Baseline: the backbone library's own forward, one token per step, same sampler. Returns (tokens, stats)."""
     keys = _seed_keys(seed)
     stats = DecodeStats(prompt_tokens=len(prompt))
-    cache = make_prompt_cache(m.model)
+    cache = m.backbone.make_cache()
     t0 = time.perf_counter()
-    logits = m.model(mx.array([list(prompt)]), cache=cache)[:, -1]
+    logits = m.backbone(mx.array([list(prompt)]), cache=cache)[:, -1]
     tok = sampling.sample(logits, next(keys))
     mx.eval(tok)
     out = [int(tok.item())]
     stats.prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     while len(out) < max_tokens and out[-1] not in eos:
-        logits = m.model(tok[None], cache=cache)[:, -1]
+        logits = m.backbone(tok[None], cache=cache)[:, -1]
         tok = sampling.sample(logits, next(keys))
         mx.eval(tok)
         out.append(int(tok.item()))
@@ -173,10 +158,10 @@ def prepare_speculative(m: MTPModel, depth: int, hidden: str) -> None:
         raise ValueError(f"hidden must be post-norm or pre-norm, not {hidden!r}")
     if len(m.head.layers) != 1:
         raise ValueError("speculative decoding supports one MTP layer (every Qwen3.5/3.6 release has one)")
-    if hidden == "pre-norm" and not hasattr(m.lm.model, "fa_idx"):
-        raise ValueError(f"hidden=pre-norm: the {m.config.get('model_type')} backbone runs as mlx-lm's own "
-                         "forward, which gives post-norm states only")
-    enable_rollback(m.model)
+    if hidden == "pre-norm" and not m.family.capabilities.pre_norm_hidden:
+        raise ValueError(f"hidden=pre-norm: the {m.family.name} backbone runs as its library's own forward, "
+                         "which gives post-norm states only")
+    m.backbone.enable_rollback()
     cuda_qmv.auto(m)  # MTPCONVERT_CUDA_QMV=1 on CUDA: multi-row quantized matvec for the verify passes
 
 
@@ -195,13 +180,13 @@ def mtp_generate(
     prepare_speculative(m, depth, hidden)
     keys = _seed_keys(seed)
     stats = DecodeStats(depth=depth, prompt_tokens=len(prompt), proposed=[0] * depth, accepted=[0] * depth)
-    cache = make_rollback_cache(m.model, max_pass=depth + 1)
+    cache = m.backbone.rollback_cache(max_pass=depth + 1)
     mtp_cache = m.head.make_cache()
     pick = 0 if hidden == "pre-norm" else 1
 
     t0 = time.perf_counter()
     prompt_arr = mx.array([list(prompt)])
-    states = backbone_forward(m, prompt_arr, cache)
+    states = m.backbone.forward(prompt_arr, cache)
     tok = sampling.sample(m.logits(states[1][:, -1]), next(keys))  # [1]
     pend_h = states[pick]  # h_0..h_{P-1}
     pend_t = mx.concatenate([prompt_arr[:, 1:], tok[None]], axis=1)  # t_1..t_P
@@ -214,9 +199,9 @@ def mtp_generate(
         # 1. draft
         drafts, q_rows = [], []
         x = m.head(pend_h, m.embed(pend_t), mtp_cache)[:, -1:]
-        if check_offsets and cache_offset(mtp_cache[0]) != cache_offset(cache[getattr(m.lm.model, "fa_idx", 0)]):
+        if check_offsets and cache_offset(mtp_cache[0]) != cache_offset(m.backbone.attention_cache(cache)):
             raise AssertionError(f"MTP cache at {cache_offset(mtp_cache[0])}, backbone at "
-                                 f"{cache_offset(cache[getattr(m.lm.model, 'fa_idx', 0)])}")
+                                 f"{cache_offset(m.backbone.attention_cache(cache))}")
         for j in range(depth):
             if j:
                 x = m.head(x, m.embed(drafts[-1][None]), mtp_cache)
@@ -234,7 +219,7 @@ def mtp_generate(
             mx.async_eval(draft_arr)
         # 2. verify [t_N, d_1..d_k]
         verify_in = mx.concatenate([tok, draft_arr])[None]
-        states = backbone_forward(m, verify_in, cache)
+        states = m.backbone.forward(verify_in, cache)
         target = m.logits(states[1])[0]  # [k+1, V]
         # 3. decide
         if sampling.greedy:

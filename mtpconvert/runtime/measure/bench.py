@@ -23,9 +23,9 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..smoke.decode import Divergence, divergence, encode_prompts
 from ..decoding.load import MTPModel, load
-from ..decoding.rollback import RollbackArraysCache, enable_rollback, make_rollback_cache, rollback
+from ..decoding.rollback import RollbackArraysCache, rollback
 from ..decoding.sampling import Sampling
-from ..decoding.speculative import DecodeStats, backbone_forward, mtp_generate, plain_generate
+from ..decoding.speculative import DecodeStats, mtp_generate, plain_generate
 from .baseline import DECODER, mlx_lm_generate
 from .oracle import LABEL as ORACLE_LABEL
 from .oracle import Oracle, parted
@@ -203,34 +203,34 @@ def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int =
     ``rows`` > 1 times the same passes over that many sequences at once (all at ``context``): the
     cost of a batched step of B rows with the stock caches (the floor of the batched engine's).
     """
-    enable_rollback(m.model)
+    m.backbone.enable_rollback()
     ctx = mx.array([list(context)] * rows)
     tok = ctx[:, -1:]
 
-    plain_cache = m.model.make_cache()
-    mx.eval(m.model(ctx, cache=plain_cache))
+    plain_cache = m.backbone.make_cache()
+    mx.eval(m.backbone(ctx, cache=plain_cache))
     plain_restore = context_restorer(plain_cache)
 
     def decode_1():
-        out = m.model(tok, cache=plain_cache)
+        out = m.backbone(tok, cache=plain_cache)
         mx.eval(out)
         plain_restore(1)
         return out
 
-    cache = make_rollback_cache(m.model, max_pass=depth + 1)
-    pre, post = backbone_forward(m, ctx, cache)
+    cache = m.backbone.rollback_cache(max_pass=depth + 1)
+    pre, post = m.backbone.forward(ctx, cache)
     mx.eval(post)
     restore = context_restorer(cache)
     verify_in = mx.repeat(tok, depth + 1, axis=1)
 
     def verify():
-        logits = m.logits(backbone_forward(m, verify_in, cache)[1])
+        logits = m.logits(m.backbone.forward(verify_in, cache)[1])
         mx.eval(logits)
         restore(depth + 1)
         return logits
 
     def verify_reject():  # keep 1 of depth+1: the largest undo
-        logits = m.logits(backbone_forward(m, verify_in, cache)[1])
+        logits = m.logits(m.backbone.forward(verify_in, cache)[1])
         rollback(cache, keep=1, length=depth + 1)
         out = [logits] + [c[1] for c in cache if isinstance(c, RollbackArraysCache)]
         mx.eval(out)
@@ -276,12 +276,12 @@ def bench(
     if oracle and not sampling.greedy:
         raise ValueError("--oracle-acceptance needs greedy decoding (--temp 0)")
     m = model or load(path)
-    if not hasattr(m.lm.model, "fa_idx"):  # its own forward gives post-norm states only (speculative.backbone_forward)
+    if not m.family.capabilities.pre_norm_hidden:  # its adapter gives post-norm states only
         if "pre-norm" in hiddens and len(hiddens) == 1:
             from ...errors import OptionsError
 
-            raise OptionsError(f"--hidden pre-norm: the {m.config.get('model_type')} head drafts from the post-norm "
-                               "state (its backbone runs as mlx-lm's own forward)")
+            raise OptionsError(f"--hidden pre-norm: the {m.family.name} head drafts from the post-norm state (its "
+                               "backbone runs as its library's own forward)")
         hiddens = [h for h in hiddens if h != "pre-norm"]
     encoded = [list(p) for p in prompt_ids] if prompt_ids is not None else encode_prompts(path, prompts)
     result = BenchResult(str(path), sampling, max_tokens, len(encoded), oracle=tuple(oracle))
@@ -291,7 +291,7 @@ def bench(
         entries = kernel.enable(m.model, m.head, rows=sorted({d + 1 for d in depths}))
         result.kernel = {"available": kernel.available(),
                          "plan": {f"{e['n']}x{e['k']} rows={e['rows']}": e["best"] for e in entries}}
-    vocab = m.lm.args.vocab_size
+    vocab = m.backbone.vocab_size
     references = {}
     # Warm-up: one untimed run of every workload. Kernels are compiled per shape (the CUDA
     # backend's JIT takes ~0.1 s each), and a depth-k decode meets pass lengths 1..k+1 and

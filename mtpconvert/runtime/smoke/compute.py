@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
+from ...io.checkpoint import load_json
 from ..decoding.experts import bound_float_experts
 
 # Rows of a weight matrix turned to floating point at once by BlockLinear.
@@ -133,11 +134,12 @@ MIN_PROMPT_TOKENS = 32
 def model_dtype_of(folder: Path):
     """The folder's float dtype: that of its embedding (its scales when quantized), bfloat16 if unknown."""
     from ...io.header import read_header
-    from .sizing import unit_of, weight_files
+    from .sizing import folder_family, unit_of, weight_files
 
+    family = folder_family(folder)
     for f in weight_files(Path(folder)):
         for k, t in read_header(f).tensors.items():
-            if unit_of(k) == "embed_tokens" and t.dtype in ("BF16", "F16", "F32"):
+            if unit_of(k, family) == "embed_tokens" and t.dtype in ("BF16", "F16", "F32"):
                 return {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}[t.dtype]
     return mx.bfloat16
 
@@ -147,23 +149,23 @@ def active_params(folder: Path) -> Dict[str, float]:
     matrices by their size, quantized ones by their packed size x 32 / bits, routed experts by the share
     ``num_experts_per_tok / num_experts`` a token uses. ``embed_tokens`` is a gather (no multiply) unless
     tied to the output, when it is counted as ``lm_head``."""
-    import json
-
     from ...io.header import read_header
-    from .sizing import unit_of, weight_files
+    from .sizing import folder_family, unit_of, weight_files
 
-    config = json.loads((Path(folder) / "config.json").read_text())
+    family = folder_family(folder)
+    config = load_json(Path(folder) / "config.json", "config.json")
+    spec = family.spec(config)
     tc = config.get("text_config", config)
-    tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    tied = spec.tie_word_embeddings
     quant = config.get("quantization") or {}
-    experts = tc.get("num_experts") or 0
+    experts = spec.num_experts
     share = (tc.get("num_experts_per_tok") or experts) / experts if experts else 1.0
     units: Dict[str, float] = {}
     for f in weight_files(Path(folder)):
         for k, t in read_header(f).tensors.items():
             if len(t.shape) < 2 or not k.endswith(".weight"):
                 continue
-            unit = unit_of(k)
+            unit = unit_of(k, family)
             if unit == "embed_tokens":
                 if not tied:
                     continue

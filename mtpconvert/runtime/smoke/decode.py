@@ -135,7 +135,7 @@ def top2_margin(m: MTPModel, prompt: Sequence[int], generated: Sequence[int], pr
     """Top-1 minus top-2 logit of the plain model for the token after ``prompt + generated``
     (one prefill, the stock forward), after the decode's logits processors if it had any."""
     context = list(prompt) + list(generated)
-    logits = m.model(mx.array([context]))[:, -1]
+    logits = m.backbone(mx.array([context]))[:, -1]
     for proc in processors:
         logits = proc(mx.array(context), logits)
     top = mx.topk(logits[0].astype(mx.float32), 2)

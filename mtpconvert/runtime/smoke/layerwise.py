@@ -20,12 +20,12 @@ What is resident when (everything else stays on disk):
 2. the embedding rows of the prompts' distinct tokens, copied out of the file (a quantized
    table is gathered row-wise and dequantized by mlx's own ``QuantizedEmbedding``), never the
    table;
-3. one decoder layer at a time: built from mlx-lm's own class (``DecoderLayer`` of
-   ``qwen3_5`` / ``qwen3_5_moe``), quantized from config.json exactly as
-   ``mlx_lm.utils.load_model`` does, filled with only its tensors (after mlx-lm's ``sanitize``),
-   run over every prompt, then dropped (``mx.clear_cache`` returns its buffers);
+3. one decoder layer at a time: built from the backbone library's own class (the family's adapter,
+   ``runtime.backbone``), quantized from config.json exactly as ``mlx_lm.utils.load_model`` does,
+   filled with only its tensors (after the library's ``sanitize``), run over every prompt, then
+   dropped (``mx.clear_cache`` returns its buffers);
 4. the MTP head's first layer with ``fc`` and its norms (located by ``locate_mtp``: a root
-   ``mtp.safetensors`` sidecar or ``language_model.mtp.*`` inside the shards);
+   ``mtp.safetensors`` sidecar or the family's head prefix inside the shards);
 5. ``lm_head`` (or the tied embedding) a block of vocabulary rows at a time, for the backbone's
    and the head's states together, keeping a running argmax.
 
@@ -103,10 +103,11 @@ def require_head(path: Path, config: dict, head_tensors: Optional[HeadTensors]) 
     from ...families import family_for
 
     tc = config.get("text_config", config)
-    count_key = family_for(config).mtp_count_key
+    family = family_for(config)
+    count_key = family.mtp_count_key
     if head_tensors is None or not int(tc.get(count_key, 0) or 0):
         raise LayoutError(
-            "no MTP head: " + ("no mtp.safetensors and no language_model.mtp.* tensors" if head_tensors is None
+            "no MTP head: " + (f"no mtp.safetensors and no {family.head_prefix}* tensors" if head_tensors is None
                                else f"config says {count_key}=0"),
             file=path,
             hint="convert the original release with `mtpconvert convert` (stock mlx_lm.convert drops mtp.*)",

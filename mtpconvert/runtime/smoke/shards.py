@@ -4,8 +4,9 @@
 read only when evaluated). From it come the prompts' rows of the input embedding (``_Embedding``,
 never the table), one decoder layer (``_load_layer``), the MTP head's first layer with ``fc`` and
 its norms (``_load_head``), and ``lm_head`` a block of vocabulary rows at a time with a running
-argmax (``_run_lm_head_blocks``). Each module is mlx-lm's own class, quantized from config.json as
-``mlx_lm.utils.load_model`` does and filled with only its tensors.
+argmax (``_run_lm_head_blocks``). Each module is the backbone library's own class, reached through the
+family's adapter (``runtime.backbone``: a never-evaluated shell of the model), quantized from config.json
+as ``mlx_lm.utils.load_model`` does and filled with only its tensors.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import numpy as np
 
 from ...errors import LayoutError
 from ...families import family_for
+from ...io.checkpoint import load_json
 from ...io.header import TensorInfo, read_header
 from ...io.reader import TensorReader
 from ..decoding.locate import HEAD_PREFIXES, HeadTensors, shard_files
-from ..decoding.mtp import MTPHead, make_head, stack_experts, text_model
+from ..decoding.heads import stack_experts
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -64,6 +66,11 @@ def _quantize(module: nn.Module, prefixes: Sequence[str], quant: Optional[dict],
                     class_predicate=_quant_predicate(prefixes, quant, weights))
 
 
+def _parent(path: str) -> str:
+    """The key prefix of a module's parent: what per-path quantization entries and a holder's path start with."""
+    return path[: len(path) - len(path.rsplit(".", 1)[-1])]
+
+
 class _Holder(nn.Module):
     """A parent for one loose module, so that ``nn.quantize`` sees it at path ``name``."""
 
@@ -85,23 +92,19 @@ class _Folder:
 
     def __init__(self, path: Path, files: Optional[Sequence[Path]] = None):
         """``files``: the weight files to open now (None: every ``model*.safetensors``); ``add`` opens more."""
-        from mlx_lm.utils import _get_classes, load_config
-
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise LayoutError("not a converted model folder: no config.json", file=self.path)
-        self.config = load_config(self.path)
-        self.family = family_for(self.config)
+        self.family = family_for(load_json(self.path / "config.json", "config.json"))
         if files is None:
             files = shard_files(self.path)
             if not files:
                 raise LayoutError("no model*.safetensors in the folder", file=self.path)
-        model_class, args_class = _get_classes(self.config)
         # A shell of the whole model: its parameters are lazy random arrays that are never
-        # evaluated (no memory); it gives mlx-lm's sanitize, argument parsing and layer classes.
-        self.shell = model_class(args_class.from_dict(self.config))
-        self.text = self.family.text_prefix  # key prefix of the text model's tensors
-        self.args = text_model(self.shell).args
+        # evaluated (no memory); it gives the library's sanitize, the sizes and the layer classes.
+        self.shell = self.family.backbone_class().shell(self.path, self.family)
+        self.config = self.shell.config
+        self.paths = self.family.module_paths  # where each part's tensors are stored
         self.quant = self.config.get("quantization")
         self.headers = []
         self.infos: Dict[str, TensorInfo] = {}
@@ -192,12 +195,12 @@ class _Embedding:
 
     def __init__(self, folder: _Folder, token_ids: Sequence[Sequence[int]], stem: Optional[str] = None):
         """``stem``: another embedding's key stem (a nextn head's own, opened with ``_Folder.add_head_vocab``)."""
-        prefixes = (folder.text + "model.",) if stem is None else (stem.rsplit("embed_tokens", 1)[0],)
-        stem = stem or folder.text + "model.embed_tokens"
+        stem = stem or folder.paths.embed
+        prefixes = (_parent(stem),)
         uniq = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids]))
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= folder._info(stem + ".weight").shape[0]):
             raise ValueError(f"token ids outside the embedding (0..{folder._info(stem + '.weight').shape[0] - 1})")
-        vocab, hidden = folder._info(stem + ".weight").shape[0], folder.args.hidden_size
+        vocab, hidden = folder._info(stem + ".weight").shape[0], folder.shell.hidden_size
         holder = _Holder("embed_tokens", nn.Embedding(vocab, hidden))
         _quantize(holder, prefixes, folder.quant, folder.weights)
         self.module = holder.embed_tokens
@@ -219,18 +222,16 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
     """Running argmax of lm_head over vocabulary blocks, for every state array in ``states``
     (``states[p][j]``: prompt p's j-th [1, L, H] array). Returns argmax ids, and the largest block's bytes.
     ``stem``: another output projection's key stem (a nextn head's ``shared_head.head``)."""
-    lm = text_model(folder.shell)
-    tied = stem is None and getattr(folder.args, "tie_word_embeddings", False)
-    name = "embed_tokens" if tied else "lm_head"
+    tied = stem is None and folder.shell.tied
     if stem is not None:
         vocab = folder._info(stem + ".weight").shape[0]
-        holder = _Holder(stem.rsplit(".", 1)[1], nn.Linear(folder.args.hidden_size, vocab, bias=False))
-        name = stem.rsplit(".", 1)[1]
-        prefixes = (stem[: -len(name)],)
+        module = nn.Linear(folder.shell.hidden_size, vocab, bias=False)
     else:
-        stem = folder.text + ("model.embed_tokens" if tied else "lm_head")
-        holder = _Holder(name, lm.model.embed_tokens if tied else lm.lm_head)
-        prefixes = (folder.text + "model.",) if tied else (folder.text,)
+        stem = folder.paths.embed if tied else folder.paths.lm_head
+        module = folder.shell.embed_tokens if tied else folder.shell.lm_head
+    name = stem.rsplit(".", 1)[-1]
+    holder = _Holder(name, module)
+    prefixes = (_parent(stem),)
     _quantize(holder, prefixes, folder.quant, folder.weights)
     module = getattr(holder, name)
     keys = folder._module_keys(stem)
@@ -240,7 +241,7 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
     row_bytes = sum(folder._info(k).nbytes for k in keys) // vocab
     quantized = isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
     dequant = quantized and not exact and module.mode == "affine"
-    deq_row_bytes = folder.args.hidden_size * dtype.size if dequant else 0
+    deq_row_bytes = folder.shell.hidden_size * dtype.size if dequant else 0
     rows = max(1, min(vocab, block_bytes // max(row_bytes, deq_row_bytes, 1)))
     best = [[None for _ in s] for s in states]
     largest = 0
@@ -277,9 +278,9 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
 
 
 def _load_layer(folder: _Folder, i: int) -> nn.Module:
-    """Decoder layer i: mlx-lm's class, quantized as load_model would, filled with its tensors only."""
-    prefix = f"{folder.text}model.layers.{i}."
-    layer = type(text_model(folder.shell).model.layers[i])(folder.args, layer_idx=i)
+    """Decoder layer i: the library's class, quantized as load_model would, filled with its tensors only."""
+    prefix = folder.paths.layer(i) + "."
+    layer = folder.shell.new_layer(i)
     weights = {k: folder.weights.pop(k) for k in [k for k in folder.weights if k.startswith(prefix)]}
     _quantize(layer, (prefix,), folder.quant, weights)
     layer.load_weights([(k[len(prefix):], v) for k, v in weights.items()], strict=True)
@@ -290,7 +291,7 @@ def _load_layer(folder: _Folder, i: int) -> nn.Module:
     return layer
 
 
-def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
+def _load_head(folder: _Folder, head_tensors: HeadTensors) -> nn.Module:
     """The head's fc, norms and first layer (the one every first draft uses), as runtime.decoding.load builds it."""
     files = sorted({t.file for t in head_tensors.tensors.values()})
     # a nextn head's own embedding and output projection are streamed in row blocks like the backbone's
@@ -305,7 +306,7 @@ def _load_head(folder: _Folder, head_tensors: HeadTensors) -> MTPHead:
                 weights[k] = lazy[full]
         del lazy
     weights = stack_experts(weights, folder.family)
-    head = make_head(folder.family, folder.shell, 1)
+    head = folder.shell.make_head(1)
     for name in ("embed_tokens", "shared_head"):
         head.pop(name, None)  # read by row blocks (head_vocab), not held
     prefixes = (head_tensors.prefix,) + tuple(p for p in HEAD_PREFIXES if p != head_tensors.prefix)

@@ -6,13 +6,16 @@ with those measured numbers (``mtpconvert.checks``); headers only, no tensor is 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from ...families import family_for
+from ...families.base import Family
+from ...io.checkpoint import load_json
 from ...io.files import contained
+from ...io.head_files import SIDECAR_PREFIX
 from ...io.header import read_header
-from ..decoding.locate import HEAD_PREFIXES, MTP_FILE, shard_files
+from ..decoding.locate import MTP_FILE, shard_files
 
 
 def weight_files(path: Path) -> List[Path]:
@@ -27,34 +30,25 @@ def folder_weight_bytes(path: Path) -> int:
     return sum(os.path.getsize(f) for f in weight_files(path))
 
 
-_LAYER_KEY = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")  # the text model's, any family
+def unit_of(key: str, family: Family) -> str:
+    """What the check holds a converted tensor of ``family``'s for: ``layer N``, ``mtp`` (the head, in the
+    sidecar or in the shards), ``embed_tokens``, ``lm_head``, ``norm`` (the final one) or ``other``."""
+    return family.module_paths.unit_of(key, (SIDECAR_PREFIX, family.head_prefix))
 
 
-def unit_of(key: str) -> str:
-    """What the check holds a converted tensor for: ``layer N``, ``mtp`` (the head),
-    ``embed_tokens``, ``lm_head``, ``norm`` (the final one) or ``other``."""
-    m = _LAYER_KEY.match(key)
-    if m:
-        return f"layer {m.group(1)}"
-    if key.startswith(HEAD_PREFIXES):
-        return "mtp"
-    if ".embed_tokens." in key:
-        return "embed_tokens"
-    if ".lm_head." in key:
-        return "lm_head"
-    if key in ("language_model.model.norm.weight", "model.norm.weight"):
-        return "norm"
-    return "other"
+def folder_family(path: Path) -> Family:
+    return family_for(load_json(Path(path) / "config.json", "config.json"))
 
 
 def stored_bytes_by_unit(path: Path) -> Dict[str, int]:
     """Stored bytes of each unit the layerwise check holds at once (``unit_of``; the final norm
     counts as ``other``; ``mtp`` is the whole head, of which the check holds the first layer). Headers
     only. The check's peak is about the largest layer or head plus ~0.3 GB of activations and runtime."""
+    family = folder_family(path)
     units: Dict[str, int] = {}
     for f in weight_files(Path(path)):
         for k, t in read_header(Path(f)).tensors.items():
-            unit = unit_of(k)
+            unit = unit_of(k, family)
             unit = "other" if unit == "norm" else unit
             units[unit] = units.get(unit, 0) + t.nbytes
     return units

@@ -37,6 +37,7 @@ from ..decoding.locate import locate_mtp
 from .layerwise import DEFAULT_MAX_PROMPT_TOKENS, prompt_token_ids, require_head
 from .floors import LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from .shards import _Folder
+from ...families.base import Family
 from .sizing import unit_of
 from .teacher_forced import DEFAULT_VOCAB_BLOCK_BYTES, LayerwiseResult, TeacherForcedPass
 
@@ -44,11 +45,11 @@ SMOKE_DIR = ".mtpconvert-smoke"  # inside the partial folder (hidden: never uplo
 COPY_CHUNK_BYTES = 64 << 20
 
 
-def shards_by_unit(weight_map: Dict[str, str]) -> Dict[str, Set[str]]:
+def shards_by_unit(weight_map: Dict[str, str], family: Family) -> Dict[str, Set[str]]:
     """For each unit (``runtime.smoke.sizing.unit_of``), the output shards holding its tensors."""
     units: Dict[str, Set[str]] = {}
     for key, shard in weight_map.items():
-        units.setdefault(unit_of(key), set()).add(shard)
+        units.setdefault(unit_of(key, family), set()).add(shard)
     return units
 
 
@@ -93,14 +94,15 @@ class StreamedLayerwise:
     copy); the caller may delete them or free their data.
     """
 
-    def __init__(self, weight_map: Dict[str, str], *, prompts: Optional[Sequence[str]] = None,
+    def __init__(self, weight_map: Dict[str, str], family: Family, *, prompts: Optional[Sequence[str]] = None,
                  token_ids: Optional[Sequence[Sequence[int]]] = None,
                  max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS, hidden: str = "post-norm",
                  min_acceptance: float = LAYERWISE_MIN_ACCEPTANCE, exact: Optional[bool] = None,
                  compute_dtype: Optional[str] = None, vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES,
                  progress: Optional[Callable[[str], None]] = None,
                  min_mlp_gain: Optional[float] = MIN_MLP_GAIN):
-        self.units = shards_by_unit(weight_map)
+        self.family = family
+        self.units = shards_by_unit(weight_map, family)
         self.prompt_args = (prompts, token_ids, max_prompt_tokens)
         self.pass_args = dict(hidden=hidden, min_acceptance=min_acceptance, exact=exact,
                               compute_dtype=compute_dtype, progress=progress, min_mlp_gain=min_mlp_gain)
@@ -124,7 +126,7 @@ class StreamedLayerwise:
         prompts, token_ids, max_tokens = self.prompt_args
         ids = prompt_token_ids(root, prompts, token_ids, max_tokens)
         self.run = TeacherForcedPass(self.folder, ids, **self.pass_args)
-        self.late = late_units(self.folder.args.tie_word_embeddings)
+        self.late = late_units(self.folder.shell.tied)
 
     def _pending(self) -> Set[str]:
         """Units still to be read: the embedding before the prompts are embedded, and each layer still to run."""
@@ -148,8 +150,8 @@ class StreamedLayerwise:
         for s in sorted(self.units.get(unit, set()) & set(self.files)):
             if (unit, s) in self.in_memory:
                 continue
-            if {unit_of(k) for k in self.keys[s]} & pending == {unit}:
-                self.folder.hold([k for k in self.keys[s] if unit_of(k) == unit])
+            if {unit_of(k, self.family) for k in self.keys[s]} & pending == {unit}:
+                self.folder.hold([k for k in self.keys[s] if unit_of(k, self.family) == unit])
                 self.in_memory.add((unit, s))
 
     def _ready(self, unit: str) -> bool:
@@ -172,14 +174,14 @@ class StreamedLayerwise:
             if "conv1d.weight" in k and t.shape[-1] != 1:  # sanitize would shift norms folder-wide
                 raise LayoutError("conv1d weight in the raw layout: not a converted folder", file=path, key=k)
         files = [path]
-        head = [k for k in tensors if unit_of(k) in self.late & HEAD_COPY_UNITS]
+        head = [k for k in tensors if unit_of(k, self.family) in self.late & HEAD_COPY_UNITS]
         if head:  # read after the last layer, when this shard may be gone
             copy = path.parent / SMOKE_DIR / shard
             copy_tensors(path, head, copy)
             self.copies.append(copy)
             files.append(copy)
         self.folder.add(files)
-        self.folder.hold([k for k in tensors if unit_of(k) in self.late - HEAD_COPY_UNITS])
+        self.folder.hold([k for k in tensors if unit_of(k, self.family) in self.late - HEAD_COPY_UNITS])
         self.files[shard] = path
         run = self.run
         if not run.embedded and self._ready("embed_tokens"):

@@ -21,7 +21,6 @@ import mlx.nn as nn
 
 from ...errors import LayoutError
 from ..decoding.locate import HeadTensors
-from ..decoding.mtp import MTPHead, text_model
 from .compute import _finish_layer, fast_float_dtype
 from .floors import LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from .mlp_gain import PairedGain, matches, mlp_removed, paired_gain
@@ -125,18 +124,7 @@ def agreement(backbone_next: Sequence[int], head_next: Sequence[int]) -> Tuple[i
     return sum(int(a == b) for a, b in zip(backbone_next[:n], head_next[:n])), n
 
 
-def layer_mask(layer: nn.Module, x: mx.array):
-    """The mask a decoder layer's forward takes with no cache, as its text model builds it: the SSM mask
-    for linear attention; for attention, mlx-lm's "causal" shorthand where the model uses it (Qwen), an
-    array where the model builds one (GLM's MLA, GLM-5's indexer)."""
-    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
-    if getattr(layer, "is_linear", False):
-        return create_ssm_mask(x, None)
-    return create_attention_mask(x, None, return_array=not hasattr(layer, "is_linear"))
-
-
-def head_states(head: MTPHead, hidden: mx.array, next_embeddings: mx.array) -> Tuple[mx.array, mx.array]:
+def head_states(head: nn.Module, hidden: mx.array, next_embeddings: mx.array) -> Tuple[mx.array, mx.array]:
     """The head's first-layer states over every position (fresh KV cache), intact and with that
     layer's MLP removed (``runtime.smoke.mlp_gain``): the second costs one more pass of one layer."""
     intact = head(hidden, next_embeddings, cache=head.make_cache())
@@ -177,7 +165,7 @@ class TeacherForcedPass:
 
     @property
     def layers(self) -> int:
-        return self.folder.args.num_hidden_layers
+        return self.folder.shell.num_layers
 
     @property
     def embedded(self) -> bool:
@@ -210,7 +198,7 @@ class TeacherForcedPass:
         _finish_layer(layer, self.exact, self.dtype)
         self.result.stages.append((f"layer {i}", _param_bytes(layer)))
         for p, x in enumerate(self.xs):
-            self.xs[p] = layer(x, mask=layer_mask(layer, x), cache=None)
+            self.xs[p] = layer(x, mask=self.folder.shell.layer_mask(layer, x), cache=None)
             mx.eval(self.xs[p])
         del layer
         gc.collect()
@@ -226,8 +214,8 @@ class TeacherForcedPass:
             raise LayoutError(f"layer {self.next_layer} of {self.layers} was never run: its tensors are missing",
                               file=folder.path)
         result.head_source = head_tensors.source
-        norm = text_model(folder.shell).model.norm
-        norm.load_weights([("weight", folder.weights.pop(folder.text + "model.norm.weight"))], strict=True)
+        norm = folder.shell.norm
+        norm.load_weights([("weight", folder.weights.pop(folder.paths.norm + ".weight"))], strict=True)
         hs = [norm(x) for x in self.xs]
         mx.eval(hs)
 
@@ -288,15 +276,15 @@ def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "po
                         min_mlp_gain: Optional[float] = MIN_MLP_GAIN) -> LayerwiseResult:
     """``m``: a ``runtime.decoding.load.MTPModel``. Uses the stock forward of mlx-lm's text model."""
     result = LayerwiseResult("", hidden, "loaded", True, min_acceptance, min_mlp_gain=min_mlp_gain)
-    inner = m.lm.model
+    backbone = m.backbone
     for ids in token_ids:
         if len(ids) < 2:
             continue
         tokens = mx.array([list(ids)])
-        x = inner.embed_tokens(tokens)
-        for layer in inner.layers:  # the text model's own forward without the final norm
-            x = layer(x, mask=layer_mask(layer, x), cache=None)
-        h = inner.norm(x)
+        x = backbone.embed(tokens)
+        for layer in backbone.layers:  # the model's own forward without the final norm
+            x = layer(x, mask=backbone.layer_mask(layer, x), cache=None)
+        h = backbone.norm(x)
         feed = h if hidden == "post-norm" else x
         s, s0 = head_states(m.head, feed[:, :-1], m.embed(tokens[:, 1:]))
         bb = mx.argmax(m.logits(h), axis=-1).reshape(-1).tolist()[1:]

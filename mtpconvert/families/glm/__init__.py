@@ -25,8 +25,8 @@ import re
 from functools import partial
 from typing import Dict, List, Optional
 
-from ..errors import ConfigError, LayoutError
-from .base import (BACKBONE, EMBEDDING, FC, LINEAR, MLX, MTP, MULTI, NORM, PARAM, RAW_TEXT, ROUTER_BIAS, SWITCH,
+from ...errors import ConfigError, LayoutError
+from ..base import (BACKBONE, Capabilities, EMBEDDING, FC, LINEAR, MLX, MTP, MULTI, NORM, PARAM, RAW_TEXT, ROUTER_BIAS, SWITCH,
                    Family, Gather, HeadDesign, Mapped, Slot, config_bool, config_int, config_model_type, resolve_tie)
 
 HEAD_PREFIX = "mtp."
@@ -389,6 +389,9 @@ def _family(model_type: str) -> Family:
         mtp_layouts=("sidecar",),
         head_prefix=HEAD_PREFIX,
         lm_head=LM_HEAD,
+        capabilities=Capabilities(batched=False, pre_norm_hidden=False),
+        backbone="mtpconvert.families.glm.backbone:GlmBackbone",
+        compat="mtpconvert.families.glm.compat:rows",
         spec=partial(model_spec, model_type=model_type),
         expected_slots=expected_slots,
         contributions=partial(contributions, num_layers=-1),  # bound to the config by family_for
@@ -399,7 +402,7 @@ def _family(model_type: str) -> Family:
         default_style=RAW_TEXT,
         loadable_config=partial(loadable_config, model_type=model_type),
         drafter_config=partial(drafter_config, model_type=model_type),
-        mtp_count_key="num_nextn_predict_layers",
+        mtp_count_keys=("num_nextn_predict_layers",),
         single_layer_head=True,
         bind=_bind,
     )

@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Dict, List
 
-from . import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
-from .folder import MODEL_MTP, NO_BACKBONE, Folder, _conv_raw, _files_str, _glob_model, _keys_with
-from .report import RuntimeCompat, Verdict
+from ...compat import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
+from ...compat.folder import MODEL_MTP, NO_BACKBONE, Folder, _conv_raw, _files_str, _glob_model, _keys_with
+from ...compat.report import RuntimeCompat, Verdict
 
 ROPE_KEYS = ("type", "rope_theta", "partial_rotary_factor", "mrope_section")  # what mlx-vlm's drafter config requires
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List
 
-from . import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
-from .folder import Folder, _files_str, _glob_model, _keys_with
-from .head import _head
-from .report import RuntimeCompat, Verdict
+from ...compat import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
+from ...compat.folder import Folder, _files_str, _glob_model, _keys_with
+from ...compat.head import _head
+from ...compat.report import RuntimeCompat, Verdict
 
 NO_BACKBONE = Verdict(None, "drafter folder: the head only, no backbone")
 OWN_VOCAB = ("embed_tokens.weight", "shared_head.head.weight")

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import ConfigError, LayoutError
-from . import qwen3_5
-from .base import (A_LOG, BACKBONE, CONV, EMBEDDING, FC, GATED_NORM, LINEAR, MLX, MTP, PARAM, RAW_TEXT, Family,
+from ...errors import ConfigError, LayoutError
+from .. import qwen3_5
+from ..base import (A_LOG, BACKBONE, CONV, EMBEDDING, FC, GATED_NORM, LINEAR, MLX, MTP, PARAM, RAW_TEXT, Capabilities, Family,
                    Mapped, Slot, config_bool, config_int, config_model_type, resolve_tie)
-from .qwen3_5 import FUSED_DOWN, FUSED_GATE_UP, PER_EXPERT
+from ..qwen3_5 import FUSED_DOWN, FUSED_GATE_UP, PER_EXPERT
 
 HEAD_PREFIX = "mtp."
 LM_HEAD = "lm_head.weight"
@@ -229,6 +229,9 @@ FAMILY = Family(
     mtp_layouts=("sidecar",),
     head_prefix=HEAD_PREFIX,
     lm_head=LM_HEAD,
+    capabilities=Capabilities(batched=True, pre_norm_hidden=True),
+    backbone="mtpconvert.families.qwen3_next.backbone:Qwen3NextBackbone",
+    compat="mtpconvert.families.qwen3_next.compat:rows",
     spec=model_spec,
     expected_slots=expected_slots,
     contributions=contributions,
@@ -238,4 +241,6 @@ FAMILY = Family(
     norms_zero_centred=qwen3_5.norms_zero_centred,
     default_style=RAW_TEXT,
     loadable_config=loadable_config,
+    mtp_count_keys=MTP_COUNT_KEYS,
+    mtplx_arch=qwen3_5.MTPLX_ARCH,
 )

@@ -1,8 +1,11 @@
-"""The MTP head of each head design, built from mlx-lm's own layers; ``head_class`` finds a family's.
+"""The head modules of the head designs families share, built from the backbone's own layers.
 
-qwen3_5-mtp (``MTPHead``):
+A family's backbone adapter (``runtime.backbone.Backbone.make_head``) builds the head of its design;
+a design only one family has lives in that family's package.
+
+Qwen MTP (``MTPHead``; ``HeadDesign.forward`` "qwen-mtp"):
 h' = fc(concat[pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h_t)])
-h' = decoder_layer(h', own KV cache)          (a full-attention Qwen3.5 layer)
+h' = decoder_layer(h', own KV cache)          (a full-attention backbone layer)
 logits(t+2) = lm_head(norm(h'))               (lm_head shared with the backbone)
 
 With several MTP layers, draft step k uses layer k mod n (vLLM's convention).
@@ -18,35 +21,28 @@ The block's modules sit at the head's top level (``self_attn``, ``mlp``...), as 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
-from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+from mlx_lm.models.cache import CacheList, KVCache
 
 from ...execute.ops import gather
 from ...families.base import Family, Gather
 from ...plan.head import SIDECAR_PREFIX
 
 
-def text_model(model: nn.Module) -> nn.Module:
-    """The text model inside an mlx-lm ``Model`` (``.model``, ``.lm_head``, ``.args``): Qwen3.5's
-    wraps it as ``language_model``, a flat family's Model is it."""
-    return getattr(model, "language_model", model)
-
-
 class MTPHead(nn.Module):
-    def __init__(self, args: TextModelArgs, num_layers: int = 1, layer_class: type = DecoderLayer):
+    def __init__(self, hidden_size: int, eps: float, layers: List[nn.Module]):
+        """``layers``: the head's decoder layers, full-attention layers of the backbone's own class (its adapter
+        builds them)."""
         super().__init__()
-        H, eps = args.hidden_size, args.rms_norm_eps
+        H = hidden_size
         self.fc = nn.Linear(2 * H, H, bias=False)
         self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
         self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
-        # the backbone's own decoder-layer class; layer_idx = interval - 1 makes mlx-lm build it with
-        # full attention (and, in Qwen3-Next, the MoE block wherever the model has experts)
-        self.layers = [layer_class(args, layer_idx=args.full_attention_interval - 1) for _ in range(num_layers)]
+        self.layers = list(layers)
         self.norm = nn.RMSNorm(H, eps=eps)
 
     def make_cache(self) -> List[KVCache]:
@@ -84,25 +80,23 @@ class SharedHead(nn.Module):
 
 
 class NextNHead(nn.Module):
-    def __init__(self, model: nn.Module, own_vocab: bool):
+    def __init__(self, block: nn.Module, hidden_size: int, eps: float, vocab_size: int, own_vocab: bool,
+                 new_cache: Callable[[], object]):
+        """``block``: the backbone's decoder layer at the nextn layer's index (its adapter builds it, with the
+        MoE block there); ``new_cache``: a cache of the backbone's attention kind (KVCache, GLM-5's CacheList)."""
         super().__init__()
-        lm = text_model(model)
-        args = lm.args
-        H, eps = args.hidden_size, args.rms_norm_eps
+        H = hidden_size
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.enorm = nn.RMSNorm(H, eps=eps)
         self.hnorm = nn.RMSNorm(H, eps=eps)
-        # the backbone's decoder-layer class at the nextn layer's index: mlx-lm then builds its MoE block
-        layer_class = type(lm.model.layers[0])
-        block = layer_class(args, layer_idx=args.num_hidden_layers)
         for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
             setattr(self, name, block[name])
-        self._block = layer_class.__call__  # runs on this module's own block attributes
+        self._block = type(block).__call__  # runs on this module's own block attributes
         self.shared_head_norm = nn.RMSNorm(H, eps=eps)
         if own_vocab:
-            self.embed_tokens = nn.Embedding(args.vocab_size, H)
-            self.shared_head = SharedHead(H, args.vocab_size)
-        self._new_cache = lambda: make_prompt_cache(model)[-1]  # the backbone's cache kind (KVCache, CacheList)
+            self.embed_tokens = nn.Embedding(vocab_size, H)
+            self.shared_head = SharedHead(H, vocab_size)
+        self._new_cache = new_cache
 
     @property
     def layers(self) -> list:
@@ -119,14 +113,6 @@ class NextNHead(nn.Module):
         c = cache[0] if cache is not None else None
         mask = create_attention_mask(x, c[0] if isinstance(c, CacheList) else c, return_array=True)
         return self.shared_head_norm(self._block(self, x, mask, c))
-
-
-def make_head(family: Family, model: nn.Module, num_layers: int) -> nn.Module:
-    """The (empty) head module that runs ``family``'s head design on ``model``."""
-    lm = text_model(model)
-    if family.head.forward == "nextn":
-        return NextNHead(model, own_vocab="lm_head" not in family.head.shares)
-    return MTPHead(lm.args, num_layers, type(lm.model.layers[0]))
 
 
 def stack_experts(weights: Dict[str, mx.array], family: Family) -> Dict[str, mx.array]:

@@ -18,9 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional
 
-from ..errors import ConfigError, LayoutError
-from .base import (A_LOG, BACKBONE, CONV, EMBEDDING, FC, GATED_NORM, LINEAR, MLX, MTP, NORM, PARAM, RAW_TEXT,
-                   RAW_VLM, ROUTER, SWITCH, Family, Gather, HeadDesign, Mapped, Slot, config_bool, config_int,
+from ...errors import ConfigError, LayoutError
+from ..base import (A_LOG, BACKBONE, CONV, EMBEDDING, FC, GATED_NORM, LINEAR, MLX, MTP, NORM, PARAM, RAW_TEXT,
+                   RAW_VLM, ROUTER, SWITCH, Capabilities, Family, Gather, HeadDesign, Mapped, Slot, config_bool, config_int,
                    config_model_type, resolve_tie, text_config)
 
 LM = "language_model."
@@ -354,8 +354,11 @@ def norms_zero_centred(tensors: Mapping) -> bool:
     return any(flags.values())
 
 
+# the arch id mtplx 2.12.2 gives qwen3_5, qwen3_5_moe and qwen3_next folders (its registry.py:226)
+MTPLX_ARCH = "qwen3-next-mtp"
+
 HEAD = HeadDesign(
-    forward="qwen3_5-mtp",
+    forward="qwen-mtp",
     projection="mtp.fc [H, 2H]",
     concat=("pre_fc_norm_embedding(embed(t+1))", "pre_fc_norm_hidden(h_t)"),
     layer="one full-attention decoder layer (the backbone's MLP kind) with its own KV cache",
@@ -376,6 +379,9 @@ FAMILY = Family(
     mtp_layouts=("sidecar", "in-model"),
     head_prefix=HEAD_PREFIX,
     lm_head=LM + "lm_head.weight",
+    capabilities=Capabilities(batched=True, pre_norm_hidden=True),
+    backbone="mtpconvert.families.qwen3_5.backbone:Qwen35Backbone",
+    compat="mtpconvert.compat:contract_rows",  # the runtimes' contracts were measured on this family's folders
     spec=model_spec,
     expected_slots=expected_slots,
     contributions=contributions,
@@ -384,4 +390,6 @@ FAMILY = Family(
     is_zero_centred_norm=is_zero_centred_norm,
     norms_zero_centred=norms_zero_centred,
     text_prefix=LM,
+    drafter_folder_type="qwen3_5_mtp",
+    mtplx_arch=MTPLX_ARCH,
 )
