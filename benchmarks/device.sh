@@ -26,7 +26,7 @@
 #   quantize-exact  GPU quantization against the CPU kernel's bytes (quantize_exact.py) -> quantize_exact.json
 #   series:POINTS   series.py's points with mlx_lm, mtpconvert-drop, mtpconvert, mtpconvert@cpu
 #                   and digests                                                 -> series_gpu.json
-# Runtime (docs/performance.md "Runtime step costs", docs/runtime.md):
+# Runtime (docs/performance.md "Runtime step costs", docs/cuda.md, docs/batched.md):
 #   runtime         the bundled fixture's demo and `mtpconvert bench` on its bf16 (depths 1-3) and
 #                   q4-mtp-keep (depth 1) folders (SKIP_FIXTURE=1 skips them), then runtime_cost.py on
 #                   a 27B-shaped 4-bit model ($LAYERS layers, default 16), depths 1-3

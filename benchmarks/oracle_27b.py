@@ -17,7 +17,7 @@ it is done, so a timeout keeps the finished ones):
     python benchmarks/oracle_27b.py --stage kernel --stage single --out /tmp/o27 --cuda-qmv both
     python benchmarks/oracle_27b.py --stage batched --out /tmp/o27 --concurrency 1,2,4,8
 
-Random weights: the oracle sets acceptance (docs/runtime.md "Oracle acceptance").
+Random weights: the oracle sets acceptance (docs/cuda.md "`bench --oracle-acceptance P`").
 """
 
 from __future__ import annotations

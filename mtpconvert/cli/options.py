@@ -70,7 +70,7 @@ OracleAcceptance = Annotated[Optional[List[float]], typer.Option(
     show_default=False, metavar="P")]
 CudaQmv = Annotated[bool, typer.Option(
     "--cuda-qmv", help="On a CUDA device: use mtpconvert's multi-row 4-bit quantized matvec for the verify passes "
-    "where it measures faster than MLX's and within tolerance (docs/runtime.md).")]
+    "where it measures faster than MLX's and within tolerance (docs/cuda.md).")]
 Prompts = Annotated[Optional[List[str]], typer.Option("--prompt", "-p", help="Prompt text (repeatable).",
                                                       show_default=False)]
 BaseModel = Annotated[Optional[str], typer.Option(

@@ -423,7 +423,7 @@ def auto(m) -> None:
     """The runtime's hook (``speculative.prepare_speculative``): with ``MTPCONVERT_CUDA_QMV=1`` on a CUDA
     device, calibrate and enable once per model. Off by default: the kernels win in isolation (2-row
     matmuls 2.6-4.2x faster on an H200), but a whole verify pass gained less than that on the
-    launch-bound 27B-shaped model (docs/runtime.md "The verify pass on CUDA")."""
+    launch-bound 27B-shaped model (docs/cuda.md "The verify pass on CUDA")."""
     if os.environ.get("MTPCONVERT_CUDA_QMV", "0") != "1" or id(m.model) in _AUTO_DONE or not available():
         return
     _AUTO_DONE.add(id(m.model))

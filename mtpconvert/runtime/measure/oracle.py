@@ -25,7 +25,7 @@ the kept drafts is the verify pass's own greedy choice. No reference is needed, 
 from one: ``auto`` mixes 1-token steps and ``(k+1)``-token verify passes in an order its timings
 decide, so on a GPU its decode rounds near-ties of a random-weight model differently from any
 warm-up's (a replaced draft then measured 0-11% acceptance at 8 streams of the 27B shape, P = 0.8:
-docs/runtime.md). The costs
+docs/cuda.md). The costs
 are the runtime's own as before (head, verify pass, undo of each rejection); the emitted tokens are no
 longer the plain greedy decode but the kept drafts and the verify pass's tokens after them, which on
 a random-weight model costs the same.
