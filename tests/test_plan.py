@@ -260,11 +260,12 @@ def test_unsupported_model_type(tmp_path):
     ({"weight_scale": ((8, 4), "float8_e4m3fn"), "weight_scale_2": ((), "float32"), "input_scale": ((), "float32")},
      "NVFP4 (NVIDIA ModelOpt)"),
     ({"weight_packed": ((64, 32), "uint8"), "weight_global_scale": ((1,), "float32")}, "FP4 (compressed-tensors)"),
-    ({"weight_scale": ((), "float32")}, "per-tensor FP8 / NVFP4 (NVIDIA ModelOpt)"),
+    ({"weight_scale": ((), "float32"), "input_scale": ((), "float32")},
+     "per-tensor FP8 / NVFP4 with activation scales (NVIDIA ModelOpt)"),
 ])
-def test_fp4_and_per_tensor_sources_are_refused_by_format(tmp_path, extra, fmt):
-    """NVFP4/MXFP4 and ModelOpt per-tensor FP8 releases are not converted: the error names the format, the
-    tensor and what to convert instead, from the plan (nothing read) and in verify."""
+def test_fp4_and_activation_scaled_sources_are_refused_by_format(tmp_path, extra, fmt):
+    """NVFP4/MXFP4 and ModelOpt releases with activation scales are not converted: the error names the format,
+    the tensor and what to convert instead, from the plan (nothing read) and in verify."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -283,3 +284,25 @@ def test_fp4_and_per_tensor_sources_are_refused_by_format(tmp_path, extra, fmt):
     assert e.value.key.startswith(module) and "BF16 release" in (e.value.hint or "")
     report = verify(built.path)
     assert not report.ok and any(f.code == "format-unsupported" and fmt in f.message for f in report.findings)
+
+
+def test_a_per_tensor_scale_beside_a_float_weight_is_named(tmp_path):
+    """Only an F8_E4M3 weight has a scale: a per-tensor ``weight_scale`` beside a BF16 weight is named (plan and
+    verify) rather than read as a quantized format."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from checkpoints import build
+    from mtpconvert.verify import verify
+
+    built = build(tmp_path / "src", tokenizer=False)
+    (path,) = built.path.glob("*.safetensors")
+    tensors = load_file(str(path))
+    module = next(k for k in sorted(tensors) if k.endswith("mlp.gate_proj.weight"))[: -len(".weight")]
+    tensors[f"{module}.weight_scale"] = torch.ones((), dtype=torch.float32)
+    save_file(tensors, str(path))
+    with pytest.raises(LayoutError, match="a weight_scale beside a F32 weight") as e:
+        plan_for(built)
+    assert e.value.key == f"{module}.weight_scale"
+    report = verify(built.path)
+    assert not report.ok and any(f.code == "fp8-scale" and f.key == f"{module}.weight_scale" for f in report.findings)

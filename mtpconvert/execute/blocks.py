@@ -26,7 +26,7 @@ from ..io.reader import TensorReader
 from ..io.shard_writer import BF16Bits
 from ..plan import PlanItem, SourceRef
 from ..plan.fp8 import BLOCK as FP8_BLOCK
-from ..plan.fp8 import scale_rows
+from ..plan.fp8 import is_block_scale, scale_rows
 from ..plan.steps import HALVES, KV_B_PARTS, Cast, DequantFP8, Gather, Quantize, SplitGateUp, StackExperts
 from . import npquant
 from .ops import apply_steps, dequant_fp8, gather, split_kv_b
@@ -62,6 +62,11 @@ def is_fp8(item: PlanItem) -> bool:
     return item.sources[0].scale is not None
 
 
+def is_block_fp8(item: PlanItem) -> bool:
+    """FP8 sources with 128x128 block scales (not one scale per tensor)."""
+    return is_fp8(item) and is_block_scale(item.sources[0].scale.key)
+
+
 def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Block]:
     """Split an item into blocks whose source bytes stay under ``max_bytes`` (at least one row each).
     A block-FP8 matrix is split on its 128-row scale blocks, so each block reads whole scale rows."""
@@ -72,21 +77,25 @@ def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Bl
     work = 2 * sum(math.prod(s.shape) for s in item.sources) if is_fp8(item) else item.in_bytes
     per_row = max(1, work // n)
     step = max(1, max_bytes // per_row)
-    if is_fp8(item) and len(item.sources[0].shape) == 2:
+    if is_block_fp8(item) and len(item.sources[0].shape) == 2:
         step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)
     return [Block(item, a, min(a + step, n)) for a in range(0, n, step)]
 
 
 def read_fp8(source: SourceRef, ckpt: Checkpoint, reader: TensorReader, start: int, stop: int,
              part: Optional[Tuple[int, int]] = None) -> mx.array:
-    """Rows ``start:stop`` of a block-FP8 source, dequantized with the scale rows they need (float32)."""
+    """Rows ``start:stop`` of an FP8 source, dequantized with the scale rows they need (float32), or with its
+    one per-tensor scale."""
     info, scale_info = ckpt.tensors[source.key], ckpt.tensors[source.scale.key]
-    first, last, offset = scale_rows(info.shape, start, stop)
-    scale = reader.read_rows(scale_info, first, last, part=part)
+    if is_block_scale(source.scale.key):
+        first, last, offset = scale_rows(info.shape, start, stop)
+        scale, block = reader.read_rows(scale_info, first, last, part=part), FP8_BLOCK
+    else:
+        scale, block, offset = reader.read(scale_info), 0, 0
     if not mx.all(mx.isfinite(scale)).item():
         raise LayoutError("FP8 scale holds NaN or Inf", file=scale_info.file, key=scale_info.key)
     codes = reader.read_rows(info, start, stop, part=part)
-    return dequant_fp8(codes, scale, FP8_BLOCK, offset)
+    return dequant_fp8(codes, scale, block, offset)
 
 
 def read_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> mx.array:
@@ -137,7 +146,7 @@ def quantized_in_numpy(item: PlanItem) -> bool:
     read straight from the files. The bytes are those of ``mx.quantize``; the CPU backend
     uses it because MLX's CPU kernel is the conversion's bottleneck."""
     q = item.quant
-    return (q is not None and item.gather in NUMPY_GATHERS
+    return (q is not None and item.gather in NUMPY_GATHERS and (is_block_fp8(item) or not is_fp8(item))
             and all(isinstance(step, NUMPY_STEPS) for step in item.steps)
             and len({s.dtype for s in item.sources}) == 1
             and npquant.supports(item.sources[0].dtype, item.dtype, q.bits, q.group_size, q.mode))
@@ -158,6 +167,9 @@ def _scale_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[in
         return [(str(info.file), info.start, info.shape)
                 for info in (ckpt.tensors[s.scale.key] for s in item.sources[a:b])]
     source = item.sources[0]
+    if not is_block_scale(source.scale.key):  # one value for the whole tensor
+        info = ckpt.tensors[source.scale.key]
+        return [(str(info.file), info.start, info.shape)]
     return _rows_runs(ckpt.tensors[source.scale.key], item.gather, *scale_rows(source.shape, a, b)[:2])
 
 

@@ -19,9 +19,12 @@ def e4m3_values() -> mx.array:
 
 
 def dequant_fp8(codes: mx.array, scale: mx.array, block: int, row_offset: int = 0) -> mx.array:
-    """Block-FP8 -> float32: ``W[i, j] = e4m3(codes[i, j]) * scale[i // block, j // block]`` over the
-    last two axes (leading axes, experts, are matched one to one). ``codes`` may start ``row_offset``
-    rows into the first scale row. Exact: an e4m3 value times a bf16/f16/f32 scale fits float32."""
+    """FP8 -> float32: ``W[i, j] = e4m3(codes[i, j]) * scale[i // block, j // block]`` over the
+    last two axes (leading axes, experts, are matched one to one); ``block`` 0: ``scale`` is one value for
+    every code. ``codes`` may start ``row_offset`` rows into the first scale row. Exact: an e4m3 value
+    times a bf16/f16/f32 scale fits float32."""
+    if block == 0:
+        return mx.take(e4m3_values(), codes.astype(mx.uint32)) * scale.astype(mx.float32).reshape(())
     rows, cols = codes.shape[-2:]
     grid = mx.repeat(mx.repeat(scale.astype(mx.float32), block, axis=-2), block, axis=-1)
     grid = grid[..., row_offset:row_offset + rows, :cols]

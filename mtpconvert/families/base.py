@@ -42,9 +42,13 @@ CONV = "conv"  # depthwise conv1d: [C,1,K] raw -> [C,K,1]
 A_LOG = "a_log"  # stays float32
 ROUTER_BIAS = "router_bias"  # a router's score-correction bias (e_score_correction_bias): stays float32
 MULTI = "multi"  # per-head matrices of an MLA attention (embed_q / unembed_out), MultiLinear (quantizable)
+# a table read a row at a time by index (n-gram embedding shards): quantizable, at the backbone's group size
+# or, where its rows are not a multiple of it, at ROWS_FALLBACK_GROUP (as mlx-vlm quantizes them)
+ROWS = "rows"
 PARAM = "param"  # dt_bias, biases, a bare router weight, a LayerNorm: cast only
+BUFFER = "buffer"  # an integer table the model computes from its config (n-gram hashing): kept as stored
 
-QUANTIZABLE = (EMBEDDING, LINEAR, SWITCH, ROUTER, FC, MULTI)
+QUANTIZABLE = (EMBEDDING, LINEAR, SWITCH, ROUTER, FC, MULTI, ROWS)
 FLOAT32_KINDS = (A_LOG, ROUTER_BIAS)  # kept float32 whatever --dtype says, as mlx-lm does
 
 # Slot groups

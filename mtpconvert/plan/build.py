@@ -15,15 +15,20 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import LayoutError, OptionsError
 from ..families import family_for
-from ..families.base import (FLOAT32_KINDS, KV_B_PARTS, CONV, kv_b_fits, MLX, MTP, NORM, QUANT_AUX, RAW_VLM, SWITCH, VISION, Family, Gather, Mapped,
-                             Slot, text_config)
+from ..families.base import (BUFFER, FLOAT32_KINDS, KV_B_PARTS, CONV, kv_b_fits, MLX, MTP, NORM, QUANT_AUX, RAW_VLM, SWITCH,
+                             VISION, Family, Gather, Mapped, Slot, text_config)
 from ..io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint
+from ..io.header import mlx_dtype_name
 from ..options import FLOAT_DTYPES, MTP_LAYOUTS, ConvertOptions
 from . import fp8
 from .head import place_head, sidecar_slot
 from .items import Plan, PlanItem, SourceRef
 from .quant import QuantSpec, decide, quantization_block
 from .steps import Cast, ConvAxis, DequantFP8, Quantize, ShiftNorm, Step, gather_step
+
+
+FLOAT_SOURCE_DTYPES = ("F32", "F16", "BF16", "F64")
+BUFFER_DTYPES = ("I64", "I32")
 
 
 def default_dtype(ckpt: Checkpoint) -> str:
@@ -36,9 +41,9 @@ def default_dtype(ckpt: Checkpoint) -> str:
 
 
 def _ref(ckpt: Checkpoint, key: str) -> SourceRef:
-    """A source tensor; an F8_E4M3 one with its block scales (checked by ``fp8.check_scales``)."""
+    """A source tensor; an F8_E4M3 one with its scale (``fp8.scale_key``, checked by ``fp8.check_scales``)."""
     t = ckpt.tensors[key]
-    scale = _ref(ckpt, fp8.scale_key(key)) if t.dtype == fp8.FP8 else None
+    scale = _ref(ckpt, fp8.scale_key(key, ckpt.tensors)) if t.dtype == fp8.FP8 else None
     return SourceRef(key, t.file.name, t.shape, t.dtype, scale)
 
 
@@ -112,7 +117,8 @@ def _gather_switch(ckpt, slot: Slot, contribs: List[Mapped], spec):
         want = (slot.shape[0], 2 * slot.shape[1], slot.shape[2])
         if shape != want:
             raise _shape_error(ckpt, c.source, want, shape)
-        if ckpt.tensors[c.source].dtype == fp8.FP8 and slot.shape[1] % fp8.BLOCK:
+        scale = fp8.scale_key(c.source, ckpt.tensors) if ckpt.tensors[c.source].dtype == fp8.FP8 else None
+        if scale is not None and fp8.is_block_scale(scale) and slot.shape[1] % fp8.BLOCK:
             raise LayoutError(f"fused FP8 gate_up_proj whose halves ({slot.shape[1]} rows) do not fall on the "
                               f"{fp8.BLOCK}-row scale grid", file=ckpt.tensors[c.source].file, key=c.source)
         return (_ref(ckpt, c.source),), c.part
@@ -154,8 +160,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     if opts.max_shard_bytes <= 0:
         raise OptionsError(f"--max-shard-size must be > 0 GB, got {opts.max_shard_bytes / (1 << 30):g}")
     files = _source_files(ckpt)
-    for key, file in files.items():
-        fp8.refuse(key, file)
+    fp8.refuse(files)
     fp8.check_scales(ckpt.tensors, files)
     style = family.style_of(files)
     raw = family.norms_zero_centred(ckpt.tensors)
@@ -302,10 +307,17 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
         if shape != want:
             raise _shape_error(ckpt, key, want, shape)
         sources, gather = (_ref(ckpt, key),), Gather.LOAD
+    forms = {fp8.block_of(s.scale.key) if s.scale is not None else None for s in sources}
+    if len(forms) > 1:
+        raise LayoutError(f"the sources of {slot.name} mix FP8 scale forms (block, per tensor, none): each must be "
+                          "read the same way", file=ckpt.tensors[sources[0].key].file, key=sources[0].key)
+    kinds = BUFFER_DTYPES if slot.kind == BUFFER else FLOAT_SOURCE_DTYPES
     for s in sources:
-        if s.dtype not in ("F32", "F16", "BF16", "F64") and s.scale is None:
-            raise LayoutError(f"expected a floating-point tensor, found {s.dtype}",
-                              file=ckpt.tensors[s.key].file, key=s.key)
+        if s.dtype not in kinds and s.scale is None:
+            raise LayoutError(f"expected {'an integer' if slot.kind == BUFFER else 'a floating-point'} tensor, "
+                              f"found {s.dtype}", file=ckpt.tensors[s.key].file, key=s.key)
+    if slot.kind == BUFFER:  # carried as stored: the model computes it from its config, no cast
+        dtype = mlx_dtype_name(sources[0].dtype)
     q = decide(slot, quant)
     return PlanItem(slot, sources, gather, _steps(slot, sources, gather, raw, dtype, q), _out_dtype(slot, dtype), q)
 
@@ -339,7 +351,7 @@ def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool
            q: Optional[QuantSpec]) -> Tuple[Step, ...]:
     steps: List[Step] = []
     if any(s.scale is not None for s in sources):
-        steps.append(DequantFP8(fp8.BLOCK))
+        steps.append(DequantFP8(fp8.block_of(sources[0].scale.key)))
     if (recorded := gather_step(gather)) is not None:
         steps.append(recorded)
     if slot.kind == CONV and raw:

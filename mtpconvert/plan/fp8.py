@@ -1,9 +1,16 @@
-"""Quantized sources: block-FP8 read through its scales, the FP4 and per-tensor formats refused by name.
+"""Quantized sources: FP8 read through its scales, the FP4 formats refused by name.
 
-Qwen's FP8 releases store a quantized Linear as ``X.weight`` (F8_E4M3) plus
-``X.weight_scale_inv`` of shape ``[ceil(out/128), ceil(in/128)]`` (BF16, F32 elsewhere); despite its
-name the scale multiplies: ``W[i, j] = e4m3(W_q[i, j]) * s[i // 128, j // 128]``. Whether a tensor is
-FP8 is decided from its own dtype and scale, never from the family or ``modules_to_not_convert``.
+An F8_E4M3 weight ``X.weight`` has one scale, found beside it:
+
+* block: ``X.weight_scale_inv`` of shape ``[ceil(out/128), ceil(in/128)]`` (BF16, F32 elsewhere), as
+  Qwen's FP8 releases store every quantized Linear; despite its name the scale multiplies:
+  ``W[i, j] = e4m3(W_q[i, j]) * s[i // 128, j // 128]``;
+* per tensor: one scalar ``weight_scale`` (shape ``[]`` or ``[1]``) of ``X`` itself, or of a module that
+  encloses it (a table stored in parts, ``P.shard_i.weight``, under one ``P.weight_scale``):
+  ``W = e4m3(W_q) * s``.
+
+Whether a tensor is FP8 is decided from its own dtype and its scale, never from the family or
+``modules_to_not_convert``.
 """
 
 from __future__ import annotations
@@ -15,26 +22,45 @@ from ..errors import LayoutError
 
 BLOCK = 128  # the scale grid of the block-FP8 releases (quantization_config.weight_block_size)
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+TENSOR_SCALE = "weight_scale"  # X.weight_scale, or an enclosing P.weight_scale: one scalar for the tensor
 FP8 = "F8_E4M3"
 SCALE_DTYPES = ("BF16", "F16", "F32")
 
-# Companions of quantized weights in formats that are not converted; the first key seen names the format.
+# Companions of quantized weights in formats that are not converted, the most telling first: the first of
+# these any key has names the format.
 REFUSED = (
     (".weight_scale_2", "NVFP4 (NVIDIA ModelOpt)"),
     (".weight_packed", "FP4 (compressed-tensors)"),
     (".weight_global_scale", "NVFP4 (compressed-tensors)"),
     (".input_global_scale", "NVFP4 (compressed-tensors)"),
-    (".weight_scale", "per-tensor FP8 / NVFP4 (NVIDIA ModelOpt)"),
-    (".input_scale", "per-tensor FP8 / NVFP4 (NVIDIA ModelOpt)"),
+    (".input_scale", "per-tensor FP8 / NVFP4 with activation scales (NVIDIA ModelOpt)"),
 )
 
 
-def scale_key(weight_key: str) -> str:
-    return weight_key + SCALE_SUFFIX
+def scale_key(weight_key: str, tensors: Mapping) -> Optional[str]:
+    """The scale of an F8_E4M3 weight among ``tensors``: its block scale, else the nearest per-tensor
+    ``weight_scale`` of it or of an enclosing module; None when it has none."""
+    if weight_key + SCALE_SUFFIX in tensors:
+        return weight_key + SCALE_SUFFIX
+    module = weight_key[: -len(".weight")] if weight_key.endswith(".weight") else weight_key
+    while module:
+        if f"{module}.{TENSOR_SCALE}" in tensors:
+            return f"{module}.{TENSOR_SCALE}"
+        module = module.rpartition(".")[0]
+    return None
 
 
 def is_scale(key: str) -> bool:
-    return key.endswith(".weight" + SCALE_SUFFIX)
+    return key.endswith((".weight" + SCALE_SUFFIX, "." + TENSOR_SCALE))
+
+
+def is_block_scale(key: str) -> bool:
+    return key.endswith(SCALE_SUFFIX)
+
+
+def block_of(scale: str) -> int:
+    """The step's block size for a scale: 128 for a block scale, 0 for one scalar over the tensor."""
+    return BLOCK if is_block_scale(scale) else 0
 
 
 def refused_format(key: str) -> Optional[str]:
@@ -45,10 +71,21 @@ def refused_format(key: str) -> Optional[str]:
     return None
 
 
-def refuse(key: str, file) -> None:
-    """A clear error for a checkpoint in a quantized format that is not converted."""
-    name = refused_format(key)
-    if name is not None:
+def refused_formats(keys) -> List[Tuple[str, str]]:
+    """(format, its first key) for each format ``keys`` hold that is not converted, the most telling first."""
+    keys = list(keys)
+    found = []
+    for suffix, name in REFUSED:
+        key = next((k for k in keys if k.endswith(suffix)), None)
+        if key is not None and name not in (n for n, _ in found):
+            found.append((name, key))
+    return found
+
+
+def refuse(files: Mapping) -> None:
+    """A clear error for a checkpoint in a quantized format that is not converted (``files``: key -> file)."""
+    for name, key in refused_formats(files)[:1]:
+        file = files[key]
         raise LayoutError(
             f"{name} checkpoint: its quantized weights are not converted (no lossless path to MLX's own "
             "formats is implemented)", file=file, key=key,
@@ -79,31 +116,40 @@ def check_scales(tensors: Mapping, file_of: Mapping) -> None:
 
 
 def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
-    """Every F8_E4M3 tensor needs a scale of a float dtype and the 128-block shape, every scale its weight;
-    one error naming the tensor per problem."""
+    """Every F8_E4M3 tensor needs its scale (``scale_key``) of a float dtype and the right shape (the 128-block
+    grid, or one value), every scale an F8_E4M3 weight; one error naming the tensor per problem."""
     problems = []
+    used = set()
     for key, info in tensors.items():
         if is_scale(key):
-            if key[: -len(SCALE_SUFFIX)] not in tensors:
-                problems.append(LayoutError("FP8 scale without its weight", file=file_of[key], key=key))
             continue
-        scale = scale_key(key)
+        scale = scale_key(key, tensors) if key.endswith(".weight") else None
         if info.dtype != FP8:
-            if scale in tensors:
-                problems.append(LayoutError(f"a weight_scale_inv beside a {info.dtype} weight (only F8_E4M3 "
-                                            "weights have one)", file=file_of[scale], key=scale))
+            if scale is not None and (is_block_scale(scale) or scale == key[: -len("weight")] + TENSOR_SCALE):
+                problems.append(LayoutError(f"a {scale.rpartition('.')[2]} beside a {info.dtype} weight (only "
+                                            "F8_E4M3 weights have one)", file=file_of[scale], key=scale))
             continue
-        if scale not in tensors:
-            problems.append(LayoutError("F8_E4M3 weight without its weight_scale_inv", file=file_of[key], key=key,
-                                        hint=f"block-FP8 releases store {scale} beside every F8_E4M3 weight"))
+        if scale is None:
+            problems.append(LayoutError("F8_E4M3 weight without its scale", file=file_of[key], key=key,
+                                        hint=f"FP8 releases store {key}{SCALE_SUFFIX} (128x128 blocks) or a per-tensor "
+                                             f"{TENSOR_SCALE} beside every F8_E4M3 weight"))
+            continue
+        used.add(scale)
+        if tensors[scale].dtype not in SCALE_DTYPES:
+            problems.append(LayoutError(f"FP8 scale of dtype {tensors[scale].dtype} (expected one of "
+                                        f"{', '.join(SCALE_DTYPES)})", file=file_of[scale], key=scale))
+        elif not is_block_scale(scale):
+            if math.prod(tensors[scale].shape) != 1:
+                problems.append(LayoutError(f"per-tensor FP8 scale of shape {list(tensors[scale].shape)} (expected "
+                                            "one value)", file=file_of[scale], key=scale))
         elif len(info.shape) < 2:
             problems.append(LayoutError(f"F8_E4M3 tensor of shape {list(info.shape)}: block scales need two axes",
                                         file=file_of[key], key=key))
-        elif tensors[scale].dtype not in SCALE_DTYPES:
-            problems.append(LayoutError(f"FP8 scale of dtype {tensors[scale].dtype} (expected one of "
-                                        f"{', '.join(SCALE_DTYPES)})", file=file_of[scale], key=scale))
         elif tuple(tensors[scale].shape) != scale_shape(info.shape):
             problems.append(LayoutError(f"FP8 scale of shape {list(tensors[scale].shape)} for a weight of shape "
                                         f"{list(info.shape)} (expected {list(scale_shape(info.shape))}: 128x128 "
                                         "blocks)", file=file_of[scale], key=scale))
+    for key in tensors:
+        if is_scale(key) and key not in used:
+            problems.append(LayoutError("FP8 scale without its F8_E4M3 weight", file=file_of[key], key=key))
     return problems

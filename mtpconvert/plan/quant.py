@@ -3,7 +3,8 @@
 Rules (docs/transforms.md gives the reasons):
 - backbone linear, embedding and stacked-expert weights: ``--bits``/``--group-size``/``--q-mode``;
 - routers (``mlp.gate``, ``shared_expert_gate``): 8-bit affine, group 64, as mlx-lm does;
-- a weight whose input dimension is not a multiple of the group size stays unquantized;
+- a weight whose input dimension is not a multiple of the group size stays unquantized; a row table
+  (n-gram embedding shards) takes group 32 then, as mlx-vlm quantizes it;
 - MTP: ``keep`` leaves every ``mtp.*`` tensor at ``--dtype``; ``match`` uses the
   backbone rules; ``bits`` uses ``--mtp-bits`` (affine); ``mtp.fc`` and the head's routers are
   never quantized;
@@ -15,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Union
 
-from ..families.base import FC, MTP, QUANTIZABLE, ROUTER, VISION, Slot
+from ..families.base import FC, MTP, QUANTIZABLE, ROUTER, ROWS, VISION, Slot
 from ..options import QuantOptions
 
 ROUTER_SPEC_BITS, ROUTER_SPEC_GROUP = 8, 64
+ROWS_FALLBACK_GROUP = 32  # mlx-vlm's fallback_group_size for a row table whose rows the group does not divide
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ def decide(slot: Slot, opts: QuantOptions) -> Optional[QuantSpec]:
     if base is None:
         return None
     spec = QuantSpec(ROUTER_SPEC_BITS, ROUTER_SPEC_GROUP) if slot.kind == ROUTER else base
+    if slot.kind == ROWS and spec.mode == "affine" and slot.shape[-1] % spec.group_size:
+        spec = QuantSpec(spec.bits, ROWS_FALLBACK_GROUP, spec.mode)
     return spec if slot.shape[-1] % spec.group_size == 0 else None
 
 

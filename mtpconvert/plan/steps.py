@@ -16,14 +16,14 @@ from .quant import QuantSpec
 
 @dataclass(frozen=True)
 class DequantFP8:
-    """Block-FP8 sources to float32: e4m3 codes times their ``block`` x ``block`` scale; done as each
-    source is read (every expert with its own scale), before the gather."""
+    """FP8 sources to float32: e4m3 codes times their ``block`` x ``block`` scale (``block`` 0: one scale for
+    the tensor); done as each source is read (every expert with its own scale), before the gather."""
 
     block: int
 
     @property
     def label(self) -> str:
-        return f"dequant:fp8e4m3/{self.block}"
+        return f"dequant:fp8e4m3/{self.block or 'tensor'}"
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,7 @@ CENTRED_MAX, SHIFTED_MAX = 0.5, 1.5
 
 def check_sources(ckpt: Checkpoint, report: Report) -> None:
     """Quantized source formats: every block-FP8 weight with a well-formed scale; FP4 formats named."""
-    refused = {fp8.refused_format(key): key for key in ckpt.tensors if fp8.refused_format(key)}
-    for name, key in refused.items():
+    for name, key in fp8.refused_formats(ckpt.tensors):
         report.add("format-unsupported", ERROR, f"{name} checkpoint: mtpconvert does not convert its quantized "
                    "weights (convert the BF16 or block-FP8 release)", key, ckpt.tensors[key].file)
     for problem in fp8.scale_problems(ckpt.tensors, {k: info.file for k, info in ckpt.tensors.items()}):
