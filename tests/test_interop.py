@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import convert_folder
+from tests.checkpoints import convert_folder
 from mtpconvert.compat import check_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,7 +202,7 @@ def test_mlx_vlm_runs_the_qwen3_next_backbone_and_cannot_draft_as_predicted(obse
 @pytest.fixture(scope="module")
 def glm(venvs, tmp_path_factory):
     """{(model type, folder): the mlx-vlm GLM probe's JSON}: GLM-5 (float32 and a 4-bit head) and GLM-4.7-Flash."""
-    from checkpoints import build_glm
+    from tests.checkpoints import build_glm
 
     root = tmp_path_factory.mktemp("glm")
     out = {}
