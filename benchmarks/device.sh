@@ -40,8 +40,8 @@
 #                   8 held-out prompts x $MAXTOK tokens per stream              -> batched_{dense,moe}.json
 #                   On this repository's CPU: PY=.venv/bin/python MAXTOK=64 benchmarks/device.sh batched
 # Training MoE fixture candidates (docs/runtime.md "Broken conversions"):
-#   train-moe       start, in the background, one tools/train_text_fixture.py run per $MOE_SHAPES entry
-#                   on the stage in $STAGE (made by `tools/train_text_fixture.py prepare`), in /tmp/train
+#   train-moe       start, in the background, one `python -m tools.fixture_training train` run per $MOE_SHAPES
+#                   entry on the stage in $STAGE (made by its `prepare`), in /tmp/train
 #   train-wait      wait for them
 #   train-eval      export each to the raw layout, convert it to float32, run mtp_mlp_ablation.py
 #                                                                  -> ablation_NAME.json, cand_NAME.tgz
@@ -189,22 +189,22 @@ sys.stdout.write(''.join(t + '\0' for t in texts))")
       IFS='|' read -ra shapes <<< "$MOE_SHAPES"
       for spec in "${shapes[@]}"; do
         name=${spec%%:*}; opts=${spec#*:}
-        echo "python -m tools.train_text_fixture train --stage stage --variant moe --out run-$name $TRAIN_ARGS $opts" \
+        echo "python -m tools.fixture_training train --stage stage --variant moe --out run-$name $TRAIN_ARGS $opts" \
           > "/tmp/train/$name.cmd"
         # shellcheck disable=SC2086  # options lists
-        nohup "$PY" -m tools.train_text_fixture train --stage "$STAGE" --variant moe --out "/tmp/train/$name" \
+        nohup "$PY" -m tools.fixture_training train --stage "$STAGE" --variant moe --out "/tmp/train/$name" \
           $TRAIN_ARGS $opts > "/tmp/train/$name.log" 2>&1 &
         echo "$name: $opts (pid $!)" | tee -a "$LOG"
       done ;;
     train-wait)
-      while pgrep -f "train_text_fixture.py train" > /dev/null; do sleep 5; done
+      while pgrep -f "tools.fixture_training train" > /dev/null; do sleep 5; done
       tail -n 2 /tmp/train/*.log | tee -a "$LOG" ;;
     train-eval)
       for run in /tmp/train/*/; do
         name=$(basename "$run"); cand=/tmp/cand/$name
-        "$PY" -m tools.train_text_fixture export --stage "$STAGE" --run "$run" --variant moe --out "$cand" \
-          --commands "python -m tools.train_text_fixture prepare --stage stage" "$(cat "/tmp/train/$name.cmd")" \
-          "python -m tools.train_text_fixture export --stage stage --run run-$name --variant moe" 2>&1 | tee -a "$LOG"
+        "$PY" -m tools.fixture_training export --stage "$STAGE" --run "$run" --variant moe --out "$cand" \
+          --commands "python -m tools.fixture_training prepare --stage stage" "$(cat "/tmp/train/$name.cmd")" \
+          "python -m tools.fixture_training export --stage stage --run run-$name --variant moe" 2>&1 | tee -a "$LOG"
         "$PY" -m mtpconvert convert "$cand" "/tmp/cand/$name-f32" --dtype float32 --no-smoke >> "$LOG" 2>&1
         "$PY" -m benchmarks.mtp_mlp_ablation "/tmp/cand/$name-f32" --heldout "$STAGE/heldout.npy" \
           --json "$RESULTS/ablation_$name.json" 2>&1 | tee -a "$LOG"
