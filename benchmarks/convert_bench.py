@@ -11,7 +11,7 @@ with `--mtp drop` (same work as mlx-lm) and with the head kept.
 ``--fp8-twin DIR`` runs every tool on DIR as well (rows ``tool[fp8]``), round-robin with the source: the
 block-FP8 twin of the same checkpoint (``benchmarks/fp8_twin.py``), whose output has the same shapes.
 
-    python benchmarks/fp8_twin.py /tmp/synth /tmp/synth-fp8
+    python -m benchmarks.fp8_twin /tmp/synth /tmp/synth-fp8
     python -m benchmarks.convert_bench /tmp/synth --fp8-twin /tmp/synth-fp8 --tools mtpconvert --repeat 2
 """
 

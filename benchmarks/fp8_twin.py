@@ -7,7 +7,7 @@ per 128x128 block (amax / 448); everything else as stored. For the FP8-vs-BF16 s
 of the same shapes and bytes.
 
     python -m benchmarks.synth Qwen3.5-27B /tmp/synth --layers 4 --shard-gb 2
-    python benchmarks/fp8_twin.py /tmp/synth /tmp/synth-fp8
+    python -m benchmarks.fp8_twin /tmp/synth /tmp/synth-fp8
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ it is done, so a timeout keeps the finished ones):
 ``batched``  ``oracle_batch.bench_concurrency_oracle``: batched MTP vs ``BatchGenerator`` at the
              given concurrencies                                                 -> batched.json
 
-    python benchmarks/oracle_27b.py --stage kernel --stage single --out /tmp/o27 --cuda-qmv both
-    python benchmarks/oracle_27b.py --stage batched --out /tmp/o27 --concurrency 1,2,4,8
+    python -m benchmarks.oracle_27b --stage kernel --stage single --out /tmp/o27 --cuda-qmv both
+    python -m benchmarks.oracle_27b --stage batched --out /tmp/o27 --concurrency 1,2,4,8
 
 Random weights: the oracle sets acceptance (docs/runtime.md "Oracle acceptance").
 """
