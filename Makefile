@@ -35,7 +35,7 @@ test: $(VENV)/.installed-test
 # mlx-lm PR #990 branch from GitHub: listed under "Not run" when it cannot be installed); venvs cached
 # outside the repo (see interop/README.md). The table goes to docs/interop.md.
 interop: install
-	$(PY) interop/run.py --python $(PY) --with-pr990 $(INTEROP_ARGS)
+	$(PY) -m interop.run --python $(PY) --with-pr990 $(INTEROP_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

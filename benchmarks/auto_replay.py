@@ -12,7 +12,7 @@ untimed decode and kept for the timed one; always-plain and always-draft decode 
 draws. Prints tok/s of each and auto / best fixed, with the policy's step cost as it is (median of
 its last timed steps) and as the fastest of them.
 
-    python benchmarks/auto_replay.py benchmarks/results/batched/gpu_auto_steps_dense_c4.json --accept 0.84 --accept 0.6
+    python -m benchmarks.auto_replay benchmarks/results/batched/gpu_auto_steps_dense_c4.json --accept 0.84 --accept 0.6
 """
 
 from __future__ import annotations

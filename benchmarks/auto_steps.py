@@ -4,7 +4,7 @@ its wall time; slow steps (> 3x the median of their kind) are listed, the steps 
 switch (a plain step after a drafting one, ...) beside the run's wall time, and each ``auto`` run
 prints what its policy decided from.
 
-    python benchmarks/auto_steps.py OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--repeat 2] [--json out.json]
+    python -m benchmarks.auto_steps OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--repeat 2] [--json out.json]
 """
 
 from __future__ import annotations

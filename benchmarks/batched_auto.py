@@ -12,9 +12,9 @@ decoder (BatchGenerator, plain, mtp) with the best median, one choice for all it
 
 Then one pooled line: geometric means over every round of every row of within-round ratios.
 
-    python benchmarks/batched_auto.py OUT [--variant dense] [--concurrency 1,2,4,8] [--depth 1 --depth 2]
+    python -m benchmarks.batched_auto OUT [--variant dense] [--concurrency 1,2,4,8] [--depth 1 --depth 2]
         [--max-tokens 64] [--rounds 3] [--json out.json]
-    python benchmarks/batched_auto.py --saved RESULT.json [RESULT.json ...]   # the table and pooled line of saved runs
+    python -m benchmarks.batched_auto --saved RESULT.json [RESULT.json ...]   # the table and pooled line of saved runs
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How fast are the CPU kernels MLX runs the smoke with, under the BLAS this process has mapped?
 
-    python benchmarks/blas_speed.py [--size 2048] [--rows 288] [--json]
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/blas_speed.py
+    python -m benchmarks.blas_speed [--size 2048] [--rows 288] [--json]
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python -m benchmarks.blas_speed
 
 Prints GFLOP/s of ``mx.matmul`` in float32 (BLAS ``sgemm``) and bfloat16 (MLX's own loop), of a 4-bit
 ``mx.quantized_matmul`` (MLX's own kernel: no BLAS under it) over ``--rows`` rows and over one row, and of

@@ -1,12 +1,12 @@
 """Publish under a runner's limits: pull -> convert -> smoke -> upload against the loopback Hub,
 with the converter in a memory-limited cgroup and its working folder on a small loop-mounted disk.
 
-    sudo python benchmarks/constrained_publish.py --model Qwen3.5-4B --layers 6 --shard-gb 0.4 \\
+    sudo python -m benchmarks.constrained_publish --model Qwen3.5-4B --layers 6 --shard-gb 0.4 \\
         --mem-gb 1 --disk-gb 2.75 --no-smoke
-    sudo python benchmarks/constrained_publish.py --model Qwen3.5-4B --layers 6 --shard-gb 0.4 \\
+    sudo python -m benchmarks.constrained_publish --model Qwen3.5-4B --layers 6 --shard-gb 0.4 \\
         --mem-gb 1 --disk-gb 3.25
-    sudo python benchmarks/constrained_publish.py ... --no-smoke --prefetch-shards 0   # one raw shard at a time
-    sudo python benchmarks/constrained_publish.py ... --shard-gb 2 --disk-gb 1.5 --raw-window 0.25   # byte ranges
+    sudo python -m benchmarks.constrained_publish ... --no-smoke --prefetch-shards 0   # one raw shard at a time
+    sudo python -m benchmarks.constrained_publish ... --shard-gb 2 --disk-gb 1.5 --raw-window 0.25   # byte ranges
 
 Needs root (cgroup and loop mount). The limits are enforced by the kernel, not measured after
 the fact: the memory limit is a cgroup (v1 ``memory.limit_in_bytes`` or v2 ``memory.max``) that
@@ -36,10 +36,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tools")]
+from tests.hubserver import FakeHub, Repo
 
-from hubserver import FakeHub, Repo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GB = 1 << 30
 
@@ -152,7 +151,7 @@ def main(argv=None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     source = args.work / f"{args.model}-{args.layers}l"
     if not (source / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "synth.py"), args.model, str(source),
+        subprocess.run([sys.executable, "-m", "benchmarks.synth", args.model, str(source),
                         "--layers", str(args.layers), "--shard-gb", str(args.shard_gb)], check=True)
     from mtpconvert.fixture import fixture_path
 

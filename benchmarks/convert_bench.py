@@ -4,15 +4,15 @@ Each tool runs in its own fresh process; we report wall time, peak RSS (ru_maxrs
 read/written (/proc/self/io, Linux). mlx_lm.convert drops the MTP head, so mtpconvert runs twice:
 with `--mtp drop` (same work as mlx-lm) and with the head kept.
 
-    python benchmarks/synth.py Qwen3.5-27B /tmp/synth --layers 4 --shard-gb 2
-    python benchmarks/convert_bench.py /tmp/synth --bits 4 [--tools mtpconvert-drop-mlxquant,mtpconvert-drop] [--repeat 3]
-    python benchmarks/convert_bench.py /tmp/synth --tools mlx_lm,mtpconvert-drop,mlx_lm@cpu,mtpconvert-drop@cpu --digest
+    python -m benchmarks.synth Qwen3.5-27B /tmp/synth --layers 4 --shard-gb 2
+    python -m benchmarks.convert_bench /tmp/synth --bits 4 [--tools mtpconvert-drop-mlxquant,mtpconvert-drop] [--repeat 3]
+    python -m benchmarks.convert_bench /tmp/synth --tools mlx_lm,mtpconvert-drop,mlx_lm@cpu,mtpconvert-drop@cpu --digest
 
 ``--fp8-twin DIR`` runs every tool on DIR as well (rows ``tool[fp8]``), round-robin with the source: the
 block-FP8 twin of the same checkpoint (``benchmarks/fp8_twin.py``), whose output has the same shapes.
 
-    python benchmarks/fp8_twin.py /tmp/synth /tmp/synth-fp8
-    python benchmarks/convert_bench.py /tmp/synth --fp8-twin /tmp/synth-fp8 --tools mtpconvert --repeat 2
+    python -m benchmarks.fp8_twin /tmp/synth /tmp/synth-fp8
+    python -m benchmarks.convert_bench /tmp/synth --fp8-twin /tmp/synth-fp8 --tools mtpconvert --repeat 2
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 WRAPPER = r"""
 import json, os, resource, sys, time
 t0 = time.perf_counter()
@@ -113,15 +114,16 @@ def run(tool: str, src: Path, bits: int, cold: bool = False, digest: bool = Fals
     (npquant workers with a GPU too) or ``-base`` (the package in $MTPCONVERT_BASE, e.g. a
     snapshot of the commit before) in the name, and ``@cpu`` for MLX's CPU backend on a
     machine whose default device is a GPU."""
-    env = dict(os.environ)
-    if "-base" in tool:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.environ["MTPCONVERT_BASE"], env.get("PYTHONPATH")]))
+    # The child runs in a scratch folder: its working directory comes first on its sys.path and holds no
+    # mtpconvert, so the package it imports is $MTPCONVERT_BASE's for a -base tool, else this checkout's.
+    first = [os.environ["MTPCONVERT_BASE"]] if "-base" in tool else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [*first, str(ROOT), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
-        out = Path(tmp) / "out"
+        out = Path(tmp).resolve() / "out"
         prepare_cache(src, cold)
         stolen = steal_s()
-        proc = subprocess.run([sys.executable, "-c", WRAPPER, tool, str(src), str(out), str(bits)],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, "-c", WRAPPER, tool, str(src.resolve()), str(out), str(bits)],
+                              capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0:
             raise SystemExit(f"{tool} failed:\n{proc.stderr[-2000:]}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -3,7 +3,7 @@
 quantizer worker processes together. On a 2-core machine every CPU second the parent
 spends is taken from the workers, so this is what to cut.
 
-    python benchmarks/cpu_threads.py /tmp/series/dense-8g [--mtp drop] [--bits 4]
+    python -m benchmarks.cpu_threads /tmp/series/dense-8g [--mtp drop] [--bits 4]
 
 Linux only (reads /proc/self/task). Threads are sampled every 0.2 s; one that ends between
 samples loses its last 0.2 s.
@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from convert_bench import prepare_cache, steal_s
+from benchmarks.convert_bench import prepare_cache, steal_s
 
 
 def thread_cpu() -> dict:

@@ -40,8 +40,8 @@
 #                   8 held-out prompts x $MAXTOK tokens per stream              -> batched_{dense,moe}.json
 #                   On this repository's CPU: PY=.venv/bin/python MAXTOK=64 benchmarks/device.sh batched
 # Training MoE fixture candidates (docs/runtime.md "Broken conversions"):
-#   train-moe       start, in the background, one tools/train_text_fixture.py run per $MOE_SHAPES entry
-#                   on the stage in $STAGE (made by `tools/train_text_fixture.py prepare`), in /tmp/train
+#   train-moe       start, in the background, one `python -m tools.fixture_training train` run per $MOE_SHAPES
+#                   entry on the stage in $STAGE (made by its `prepare`), in /tmp/train
 #   train-wait      wait for them
 #   train-eval      export each to the raw layout, convert it to float32, run mtp_mlp_ablation.py
 #                                                                  -> ablation_NAME.json, cand_NAME.tgz
@@ -79,7 +79,7 @@ TRAIN_ARGS=${TRAIN_ARGS:-"--steps 1000 --warmup 100 --batch 64 --save-at 0.5 --l
 # name:train options, one candidate each (the shipped MoE fixture: 8 experts x 64, top 2, shared 128)
 MOE_SHAPES=${MOE_SHAPES:-"s32:--shared-expert-size 32|e16k4:--experts 16 --top-k 4 --shared-expert-size 32|i128:--expert-size 128 --shared-expert-size 32"}
 mkdir -p "$RESULTS"; RESULTS=$(cd "$RESULTS" && pwd)
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD:$PWD/tools
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 [ -d "$KIT/base" ] && export MTPCONVERT_BASE=$(cd "$KIT/base" && pwd)
 LOG=$RESULTS/log.txt
 
@@ -113,25 +113,25 @@ print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__ + t, mx.default_device
 
     # conversion speed
     synth)
-      [ -f "$SRC/model.safetensors.index.json" ] || "$PY" benchmarks/synth.py Qwen3.5-27B "$SRC" --layers "${LAYERS:-24}" 2>&1 | tee -a "$LOG" ;;
+      [ -f "$SRC/model.safetensors.index.json" ] || "$PY" -m benchmarks.synth Qwen3.5-27B "$SRC" --layers "${LAYERS:-24}" 2>&1 | tee -a "$LOG" ;;
     io)
-      "$PY" benchmarks/io_floor.py "$SRC" --json "$RESULTS/io.json" 2>&1 | tee -a "$LOG" ;;
+      "$PY" -m benchmarks.io_floor "$SRC" --json "$RESULTS/io.json" 2>&1 | tee -a "$LOG" ;;
     split)
-      (cd benchmarks && "$PY" time_split.py "$SRC" --mtp drop --json "$RESULTS/split_gpu.json") 2>&1 | tee -a "$LOG" ;;
+      "$PY" -m benchmarks.time_split "$SRC" --mtp drop --json "$RESULTS/split_gpu.json" 2>&1 | tee -a "$LOG" ;;
     sweep)
-      (cd benchmarks && "$PY" time_split.py "$SRC" --mtp drop --sweep --json "$RESULTS/sweep.json") 2>&1 | tee -a "$LOG" ;;
+      "$PY" -m benchmarks.time_split "$SRC" --mtp drop --sweep --json "$RESULTS/sweep.json" 2>&1 | tee -a "$LOG" ;;
     split-cpu)
-      (cd benchmarks && "$PY" time_split.py "$SRC" --mtp drop --cpu --json "$RESULTS/split_cpu.json") 2>&1 | tee -a "$LOG" ;;
+      "$PY" -m benchmarks.time_split "$SRC" --mtp drop --cpu --json "$RESULTS/split_cpu.json" 2>&1 | tee -a "$LOG" ;;
     bench:*)
       spec=${step#bench:}; tools=${spec%%:*}; rounds=1; [ "$spec" != "$tools" ] && rounds=${spec##*:}
       n=$(ls "$RESULTS"/bench*.json 2>/dev/null | wc -l)
-      (cd benchmarks && "$PY" convert_bench.py "$SRC" --bits 4 --tools "$tools" --repeat "$rounds" --digest \
-        --json "$RESULTS/bench$n.json") 2>&1 | tee -a "$LOG" ;;
+      "$PY" -m benchmarks.convert_bench "$SRC" --bits 4 --tools "$tools" --repeat "$rounds" --digest \
+        --json "$RESULTS/bench$n.json" 2>&1 | tee -a "$LOG" ;;
     quantize-exact)
-      PYTHONPATH=$PYTHONPATH:$PWD/tests "$PY" benchmarks/quantize_exact.py --json "$RESULTS/quantize_exact.json" 2>&1 | tee -a "$LOG" ;;
+      "$PY" -m benchmarks.quantize_exact --json "$RESULTS/quantize_exact.json" 2>&1 | tee -a "$LOG" ;;
     series:*)
-      (cd benchmarks && "$PY" series.py /tmp/series --points "${step#series:}" --digest \
-        --tools mlx_lm,mtpconvert-drop,mtpconvert,mtpconvert@cpu --json "$RESULTS/series_gpu.json") 2>&1 | tee -a "$LOG" ;;
+      "$PY" -m benchmarks.series /tmp/series --points "${step#series:}" --digest \
+        --tools mlx_lm,mtpconvert-drop,mtpconvert,mtpconvert@cpu --json "$RESULTS/series_gpu.json" 2>&1 | tee -a "$LOG" ;;
 
     # runtime
     runtime)
@@ -146,23 +146,23 @@ print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__ + t, mx.default_device
           > "$RESULTS/fixture_q4_bench.json" 2> "$RESULTS/fixture_q4_bench.err"
       fi
       layouts=(); l=${LAYOUTS:-../shared/layouts}; [ -d "$l" ] && layouts=(--layouts "$(cd "$l" && pwd)")
-      (cd benchmarks && "$PY" runtime_cost.py Qwen3.5-27B /tmp/rt27 --layers "${LAYERS:-16}" --bits 4 \
-        --depth 1 --depth 2 --depth 3 "${layouts[@]}" --json "$RESULTS/runtime_27b.json") 2>&1 \
+      "$PY" -m benchmarks.runtime_cost Qwen3.5-27B /tmp/rt27 --layers "${LAYERS:-16}" --bits 4 \
+        --depth 1 --depth 2 --depth 3 "${layouts[@]}" --json "$RESULTS/runtime_27b.json" 2>&1 \
         | tee "$RESULTS/runtime_27b.txt" ;;
     fixtures)
       for name in text-qwen35-mtp text-qwen35-moe-mtp; do
         for prec in bf16 q4; do
           out=/tmp/conv/$name-$prec; extra=(); [ $prec = q4 ] && extra=(--bits 4)
           [ -d "$out" ] || timeout "${TMO:-480}" "$PY" -m mtpconvert convert "$FIX/$name" "$out" --no-smoke "${extra[@]}" >> "$LOG" 2>&1
-          timeout "${TMO:-480}" "$PY" benchmarks/gpu_fixture_bench.py "$FIX/$name" "$out" --depth 1 --depth 2 \
+          timeout "${TMO:-480}" "$PY" -m benchmarks.gpu_fixture_bench "$FIX/$name" "$out" --depth 1 --depth 2 \
             --json "$RESULTS/runtime_fixture_${name#text-qwen35-}_$prec.json" >> "$LOG" 2>&1
           echo "$name $prec rc=$? $(date +%T)" | tee -a "$LOG"
         done
       done ;;
     cost)
       layers=${LAYERS:-8}
-      (cd benchmarks && timeout "${TMO:-480}" "$PY" runtime_cost.py Qwen3.5-27B /tmp/rt27 --layers "$layers" --bits 4 \
-        --depth 1 --depth 2 --json "$RESULTS/runtime_27b_${layers}l.json") 2>&1 | tee "$RESULTS/runtime_27b.txt" ;;
+      timeout "${TMO:-480}" "$PY" -m benchmarks.runtime_cost Qwen3.5-27B /tmp/rt27 --layers "$layers" --bits 4 \
+        --depth 1 --depth 2 --json "$RESULTS/runtime_27b_${layers}l.json" 2>&1 | tee "$RESULTS/runtime_27b.txt" ;;
     batched)
       dtype=$("$PY" -c "import mlx.core as mx; print('float32' if mx.default_device() == mx.cpu else 'bfloat16')")
       for variant in ${VARIANTS:-dense moe}; do
@@ -189,24 +189,24 @@ sys.stdout.write(''.join(t + '\0' for t in texts))")
       IFS='|' read -ra shapes <<< "$MOE_SHAPES"
       for spec in "${shapes[@]}"; do
         name=${spec%%:*}; opts=${spec#*:}
-        echo "python tools/train_text_fixture.py train --stage stage --variant moe --out run-$name $TRAIN_ARGS $opts" \
+        echo "python -m tools.fixture_training train --stage stage --variant moe --out run-$name $TRAIN_ARGS $opts" \
           > "/tmp/train/$name.cmd"
         # shellcheck disable=SC2086  # options lists
-        nohup "$PY" tools/train_text_fixture.py train --stage "$STAGE" --variant moe --out "/tmp/train/$name" \
+        nohup "$PY" -m tools.fixture_training train --stage "$STAGE" --variant moe --out "/tmp/train/$name" \
           $TRAIN_ARGS $opts > "/tmp/train/$name.log" 2>&1 &
         echo "$name: $opts (pid $!)" | tee -a "$LOG"
       done ;;
     train-wait)
-      while pgrep -f "train_text_fixture.py train" > /dev/null; do sleep 5; done
+      while pgrep -f "tools.fixture_training train" > /dev/null; do sleep 5; done
       tail -n 2 /tmp/train/*.log | tee -a "$LOG" ;;
     train-eval)
       for run in /tmp/train/*/; do
         name=$(basename "$run"); cand=/tmp/cand/$name
-        "$PY" tools/train_text_fixture.py export --stage "$STAGE" --run "$run" --variant moe --out "$cand" \
-          --commands "python tools/train_text_fixture.py prepare --stage stage" "$(cat "/tmp/train/$name.cmd")" \
-          "python tools/train_text_fixture.py export --stage stage --run run-$name --variant moe" 2>&1 | tee -a "$LOG"
+        "$PY" -m tools.fixture_training export --stage "$STAGE" --run "$run" --variant moe --out "$cand" \
+          --commands "python -m tools.fixture_training prepare --stage stage" "$(cat "/tmp/train/$name.cmd")" \
+          "python -m tools.fixture_training export --stage stage --run run-$name --variant moe" 2>&1 | tee -a "$LOG"
         "$PY" -m mtpconvert convert "$cand" "/tmp/cand/$name-f32" --dtype float32 --no-smoke >> "$LOG" 2>&1
-        "$PY" benchmarks/mtp_mlp_ablation.py "/tmp/cand/$name-f32" --heldout "$STAGE/heldout.npy" \
+        "$PY" -m benchmarks.mtp_mlp_ablation "/tmp/cand/$name-f32" --heldout "$STAGE/heldout.npy" \
           --json "$RESULTS/ablation_$name.json" 2>&1 | tee -a "$LOG"
         tar czf "$RESULTS/cand_$name.tgz" -C /tmp/cand "$name"
       done ;;

@@ -18,10 +18,10 @@ load it (reported as such).
 mlx's CPU backend has no bf16/fp16 ``gather_mm``, so on the CPU the MoE fixture is converted with
 ``--dtype float32`` (quantized experts use ``gather_qmm`` and run either way).
 
-    python benchmarks/fixture_acceptance.py --variant dense --variant moe --json acceptance.json
-    python benchmarks/fixture_acceptance.py --variant dense --only default --only q4   # a subset
-    python benchmarks/fixture_acceptance.py --variant dense --cells sampled_k2 --json k2.json  # one more column
-    python benchmarks/fixture_acceptance.py --render acceptance.json k2.json   # docs/runtime.md's tables
+    python -m benchmarks.fixture_acceptance --variant dense --variant moe --json acceptance.json
+    python -m benchmarks.fixture_acceptance --variant dense --only default --only q4   # a subset
+    python -m benchmarks.fixture_acceptance --variant dense --cells sampled_k2 --json k2.json  # one more column
+    python -m benchmarks.fixture_acceptance --render acceptance.json k2.json   # docs/runtime.md's tables
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from tools.broken_heads import MOE_ONLY, break_folder
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-from broken_heads import MOE_ONLY, break_folder  # noqa: E402
 
 # (name, convert flags, derived-from + edit); greedy depth 1 and 2 and sampled T=0.6 run on each
 CONVERSIONS = [

@@ -6,8 +6,8 @@ per 128x128 block (amax / 448); everything else as stored. For the FP8-vs-BF16 s
 (``convert_bench.py --fp8-twin``): the twin of a synthetic 27B-shaped source converts to an output
 of the same shapes and bytes.
 
-    python benchmarks/synth.py Qwen3.5-27B /tmp/synth --layers 4 --shard-gb 2
-    python benchmarks/fp8_twin.py /tmp/synth /tmp/synth-fp8
+    python -m benchmarks.synth Qwen3.5-27B /tmp/synth --layers 4 --shard-gb 2
+    python -m benchmarks.fp8_twin /tmp/synth /tmp/synth-fp8
 """
 
 from __future__ import annotations

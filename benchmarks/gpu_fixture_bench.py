@@ -4,7 +4,7 @@ The prompts are the fixture's held-out standard-library files (``heldout_prompts
 at least --prompt-tokens tokens, --per-file per file, the first --files files), passed to the CLI
 as -p texts, so the run is exactly ``python -m mtpconvert bench FOLDER -p ... --json``.
 
-    python benchmarks/gpu_fixture_bench.py FIXTURE CONVERTED --depth 1 --depth 2 --json out.json
+    python -m benchmarks.gpu_fixture_bench FIXTURE CONVERTED --depth 1 --depth 2 --json out.json
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mtpconvert.fixture.text import heldout_prompts  # noqa: E402
+from mtpconvert.fixture.text import heldout_prompts
 
 
 def main() -> None:

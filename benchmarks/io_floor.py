@@ -9,7 +9,7 @@ A converter must read its whole source and write its whole output; done at once,
 least the longer of the two (``floor_s``, for a warm and a cold source: the output size is
 given), and done one after the other their sum (``serial_s``).
 
-    python benchmarks/io_floor.py /tmp/s27 --write-gb 6.6 --json io.json
+    python -m benchmarks.io_floor /tmp/s27 --write-gb 6.6 --json io.json
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ files are dropped from the page cache (``posix_fadvise DONTNEED`` on those files
 start from disk; ``read`` is the time of one plain cold read of the same files. Random weights
 make acceptance meaningless: only memory and time are measured.
 
-    python benchmarks/layerwise_smoke.py Qwen3.5-27B /tmp/lw27 --layers 4 --bits 4
-    python benchmarks/layerwise_smoke.py Qwen3.5-397B-A17B /tmp/lw397 --layers 1 --bits 4 --mtp match --skip-full
+    python -m benchmarks.layerwise_smoke Qwen3.5-27B /tmp/lw27 --layers 4 --bits 4
+    python -m benchmarks.layerwise_smoke Qwen3.5-397B-A17B /tmp/lw397 --layers 1 --bits 4 --mtp match --skip-full
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def weight_files(folder: Path):
@@ -95,7 +92,7 @@ def child(kind: str, out: Path, args) -> dict:
 
 def run_child(kind: str, out: Path, args) -> dict:
     drop_cache(out)
-    cmd = [sys.executable, __file__, "--child", kind, args.model, str(args.work),
+    cmd = [sys.executable, "-m", "benchmarks.layerwise_smoke", "--child", kind, args.model, str(args.work),
            "--max-prompt-tokens", str(args.max_prompt_tokens), "--full-max-tokens", str(args.full_max_tokens)]
     if args.exact:
         cmd.append("--exact")
@@ -127,7 +124,7 @@ def main(argv=None):
     if args.child:
         print(json.dumps(child(args.child, out, args)))
         return
-    import synth
+    from benchmarks import synth
 
     from mtpconvert.fixture import fixture_path
 

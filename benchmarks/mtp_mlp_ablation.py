@@ -6,10 +6,10 @@ the routed experts or the shared expert zeroed, and the whole MLP zeroed.
 If reversing the experts costs about what zeroing the whole MLP costs, and that is small, no
 acceptance floor can tell a head with misordered experts from a correct one on this model.
 
-    python benchmarks/mtp_mlp_ablation.py OUT --heldout STAGE/heldout.npy [--prompts 12] [--tokens 256]
+    python -m benchmarks.mtp_mlp_ablation OUT --heldout STAGE/heldout.npy [--prompts 12] [--tokens 256]
 
 OUT: a float MoE conversion of a text fixture (``mtpconvert convert SRC OUT --dtype float32``);
-prompts are consecutive windows of the held-out token ids that ``tools/train_text_fixture.py
+prompts are consecutive windows of the held-out token ids that ``python -m tools.fixture_training
 prepare`` writes.
 """
 

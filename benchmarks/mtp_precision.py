@@ -5,7 +5,7 @@ matched (4-bit), or quantized to 8/3/2 bits, then measures draft acceptance with
 decoding and with sampling (temperature 1, where acceptance ~ 1 - TV(p, q) and so reacts to
 any drift in the head's distribution), for both hidden-state conventions.
 
-    python benchmarks/mtp_precision.py [--variant dense|moe] [--max-tokens 96] [--prompts 6]
+    python -m benchmarks.mtp_precision [--variant dense|moe] [--max-tokens 96] [--prompts 6]
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ it is done, so a timeout keeps the finished ones):
 ``batched``  ``oracle_batch.bench_concurrency_oracle``: batched MTP vs ``BatchGenerator`` at the
              given concurrencies                                                 -> batched.json
 
-    python benchmarks/oracle_27b.py --stage kernel --stage single --out /tmp/o27 --cuda-qmv both
-    python benchmarks/oracle_27b.py --stage batched --out /tmp/o27 --concurrency 1,2,4,8
+    python -m benchmarks.oracle_27b --stage kernel --stage single --out /tmp/o27 --cuda-qmv both
+    python -m benchmarks.oracle_27b --stage batched --out /tmp/o27 --concurrency 1,2,4,8
 
 Random weights: the oracle sets acceptance (docs/cuda.md "`bench --oracle-acceptance P`").
 """
@@ -30,11 +30,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import synth_mlx  # noqa: E402
-
-from mtpconvert.runtime.decoding import cuda_qmv  # noqa: E402
+from benchmarks import synth_mlx
+from mtpconvert.runtime.decoding import cuda_qmv
 
 # (name, N, K) of the 4-bit matmuls of a Qwen3.5-27B decoder layer and its LM head
 SHAPES_27B = [("lm_head", 248320, 5120), ("mlp.gate_proj/up_proj", 17408, 5120), ("mlp.down_proj", 5120, 17408),

@@ -1,6 +1,6 @@
 """Plot benchmarks/series.py results: source size vs wall time and vs peak RSS, per tool.
 
-    python benchmarks/plot.py benchmarks/results/series.json benchmarks/results/scaling.png   (needs matplotlib: pip install -e '.[bench]')
+    python -m benchmarks.plot benchmarks/results/series.json benchmarks/results/scaling.png   (needs matplotlib: pip install -e '.[bench]')
 
 Every tool in the results is drawn; ``tool@cpu`` runs (MLX's CPU backend on a GPU machine) are
 labelled as such.

@@ -6,7 +6,7 @@ Inputs: the edge-case groups of ``tests/quant_cases.py`` for every source/target
 group size, then --blocks random bf16 blocks shaped like a conversion's ([1536, 5120], weights
 ~N(0, 0.02) with a few outliers). Exits 1 on any byte difference.
 
-    PYTHONPATH=.:tests python benchmarks/quantize_exact.py [--blocks 8] [--json out.json]
+    python -m benchmarks.quantize_exact [--blocks 8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from quant_cases import MX_DTYPES, TARGETS, edge_groups
+from tests.quant_cases import MX_DTYPES, TARGETS, edge_groups
 
 from mtpconvert.execute.ops import affine_quantize
 

@@ -7,7 +7,7 @@ threads. Inputs are 16 MiB bf16 blocks ([1536, 5120], the row blocks a
 conversion makes), quantized at --bits/--group-size; every configuration runs --rounds
 times, interleaved, and the best round is reported (this VM's speed drifts by +-15%).
 
-    python benchmarks/quantize_kernel.py [--bits 4] [--group-size 64] [--blocks 16] [--rounds 4]
+    python -m benchmarks.quantize_kernel [--bits 4] [--group-size 64] [--blocks 16] [--rounds 4]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ step, delta = head steps / decode step, rho = undo after a rejection / decode st
 loop's own overhead) and the speedup they imply at given acceptance rates: tokens per step
 = 1 + a + ... + a^k for per-draft acceptance a.
 
-    python benchmarks/runtime_cost.py Qwen3.5-27B /tmp/rt27 --layers 16 --bits 4 --depth 1 --depth 2
+    python -m benchmarks.runtime_cost Qwen3.5-27B /tmp/rt27 --layers 16 --bits 4 --depth 1 --depth 2
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-import synth
+from benchmarks import synth
 
 
 def implied_speedup(beta: float, delta: float, rho: float, alpha: float, depth: int) -> float:

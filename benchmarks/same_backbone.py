@@ -8,7 +8,7 @@ size is checked in little memory). With ``--source RAW`` (a GLM source) it also 
 per-expert ``experts.{e}.{proj}`` are stacked into one ``switch_mlp.{proj}`` each, a whole
 ``kv_b_proj`` is split into ``embed_q`` + ``unembed_out``), and checks each has its MLX shape.
 
-    python benchmarks/same_backbone.py /tmp/out-ours /tmp/out-mlx --source /tmp/synth-glm
+    python -m benchmarks.same_backbone /tmp/out-ours /tmp/out-mlx --source /tmp/synth-glm
 """
 
 from __future__ import annotations

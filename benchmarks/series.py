@@ -1,9 +1,9 @@
 """Conversion cost as the model grows: synthetic checkpoints of ~2, 8 and 16 GiB (dense) and a
 35B-A3B-shaped MoE, each converted by mlx_lm.convert and mtpconvert in fresh processes, in one run.
 
-    python benchmarks/series.py /tmp/series --json benchmarks/results/series.json [--repeat 2]
-    python benchmarks/series.py /tmp/series --json gpu.json --tools mlx_lm,mtpconvert,mlx_lm@cpu,mtpconvert@cpu --digest
-    python benchmarks/plot.py benchmarks/results/series.json benchmarks/results/scaling.png
+    python -m benchmarks.series /tmp/series --json benchmarks/results/series.json [--repeat 2]
+    python -m benchmarks.series /tmp/series --json gpu.json --tools mlx_lm,mtpconvert,mlx_lm@cpu,mtpconvert@cpu --digest
+    python -m benchmarks.plot benchmarks/results/series.json benchmarks/results/scaling.png
 
 Needs ~40 GiB of free disk for the sources (kept in ROOT, reused by later runs).
 """
@@ -14,8 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-import convert_bench
-import synth
+from benchmarks import convert_bench, synth
 
 # name -> (layout, decoder layers kept); sizes are what synth.py writes from the published tables
 POINTS = {

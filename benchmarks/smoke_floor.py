@@ -5,22 +5,18 @@ conversion against the broken ones of tools/broken_heads.py, each scored by the 
 layerwise check (docs/smoke.md): acceptance, the head's MLP gain (runtime/smoke/mlp_gain.py) with its 95%
 interval, and each check's verdict.
 
-    python benchmarks/smoke_floor.py [--work DIR] [--json OUT] [--only LABEL ...]
+    python -m benchmarks.smoke_floor [--work DIR] [--json OUT] [--only LABEL ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(REPO / "tests"))
-from broken_heads import EDITS, MOE_ONLY, break_folder  # noqa: E402
-from checkpoints import convert_folder  # noqa: E402
+from tests.checkpoints import convert_folder
+from tools.broken_heads import EDITS, MOE_ONLY, break_folder
 
 DTYPE = {"dense": "bfloat16", "moe": "float32"}  # mlx's CPU gather_mm is float32-only
 PRECISIONS = [  # (label, quant options of a correct conversion)

@@ -13,10 +13,10 @@ gives it); a GLM folder also gets a small stand-in ``tokenizer.json`` (mlx_lm.co
 ``--sparse`` writes headers only (files keep their full size as holes): enough for
 header-only work such as ``verify`` at full model size.
 
-    python benchmarks/synth.py Qwen3.5-27B /tmp/synth-27b --layers 8 --shard-gb 1
-    python benchmarks/synth.py Qwen3.5-122B-A10B /tmp/synth-122b --sparse
-    python benchmarks/synth.py Qwen3-Next-80B-A3B-Instruct /tmp/synth-next --layers 2
-    python benchmarks/synth.py GLM-4.5-Air /tmp/synth-glm --layers 2
+    python -m benchmarks.synth Qwen3.5-27B /tmp/synth-27b --layers 8 --shard-gb 1
+    python -m benchmarks.synth Qwen3.5-122B-A10B /tmp/synth-122b --sparse
+    python -m benchmarks.synth Qwen3-Next-80B-A3B-Instruct /tmp/synth-next --layers 2
+    python -m benchmarks.synth GLM-4.5-Air /tmp/synth-glm --layers 2
 """
 
 from __future__ import annotations
@@ -25,14 +25,11 @@ import argparse
 import json
 import re
 import struct
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # mtpconvert (GLM's stand-in tokenizer)
-import layouts  # noqa: E402  (the vendored published tables)
+from tools import layouts  # the vendored published tables
 
 GLM_TYPES = ("glm4_moe", "glm4_moe_lite", "glm_moe_dsa")
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}

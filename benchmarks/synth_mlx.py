@@ -11,7 +11,7 @@ for cost measurements: a 27B-shaped 4-bit model is ~15 GB, which a GPU machine b
 bf16 and converting it (more than that machine's disk). The weights are random: greedy tokens mean
 nothing and the head never agrees with the backbone (use ``bench --oracle-acceptance``).
 
-    python benchmarks/synth_mlx.py Qwen3.5-27B --layers 4        # build, print sizes and one decode step
+    python -m benchmarks.synth_mlx Qwen3.5-27B --layers 4        # build, print sizes and one decode step
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from tools import layouts  # the vendored published tables
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-import layouts  # noqa: E402  (the vendored published tables)
 
 
 def default_layouts() -> Path:

@@ -17,7 +17,7 @@ MLX's default device (a GPU where there is one; ``--cpu`` for the CPU backend):
 Blocks whose gather needs a copy (vision patch; none in a text checkpoint) are left out of the
 stage passes. Each stage's row also says how much it added to the one before.
 
-    python benchmarks/time_split.py /tmp/s27 --mtp drop [--json split.json] [--cpu] [--sweep]
+    python -m benchmarks.time_split /tmp/s27 --mtp drop [--json split.json] [--cpu] [--sweep]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from convert_bench import prepare_cache
+from benchmarks.convert_bench import prepare_cache
 
 from mtpconvert.execute import execute
 from mtpconvert.execute.blocks import direct_read, item_blocks, read_block

@@ -1,6 +1,6 @@
 """Time `verify` (headers only) on a full-size synthetic Qwen3.5-122B-A10B raw folder written sparse.
 
-    python benchmarks/verify_speed.py [--model Qwen3.5-122B-A10B] [--repeat 5]
+    python -m benchmarks.verify_speed [--model Qwen3.5-122B-A10B] [--repeat 5]
 """
 
 import argparse
@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from synth import write
+from benchmarks.synth import write
 
 from mtpconvert.verify import verify
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Interop harness: convert the bundled fixtures, run every MTP runtime on the result, compare.
 
-    python interop/run.py                       # both layouts: sidecar (default) and in-model, every runtime
-    python interop/run.py --mtp-layout sidecar  # only the converter's default layout
-    python interop/run.py --folder DIR ...      # run on existing folders, no conversion
-    python interop/run.py --setup-only          # create/cache the runtime venvs and stop
+    python -m interop.run                       # both layouts: sidecar (default) and in-model, every runtime
+    python -m interop.run --mtp-layout sidecar  # only the converter's default layout
+    python -m interop.run --folder DIR ...      # run on existing folders, no conversion
+    python -m interop.run --setup-only          # create/cache the runtime venvs and stop
 
 Each runtime lives in its own venv under ``${MTPCONVERT_INTEROP_CACHE:-~/.cache/mtpconvert/interop}/venvs``
 (created here from PyPI with pinned versions). Each probe (``interop/probes/<runtime>.py``) prints one
@@ -66,31 +66,32 @@ TORCH_INDEX = os.environ.get("MTPCONVERT_TORCH_INDEX", "https://download.pytorch
 # gives a venv without mlx-lm, so they are named explicitly (its own pins).
 MTPLX_LINUX = ["mlx[cpu]==0.32.2", "mlx-lm>=0.31,<0.32", "transformers>=5.10,<5.17,!=5.13.0"]
 
-# name -> how to install and run it. "compat" names the runtime in mtpconvert.compat.RUNTIMES.
+# name -> how to install and run it. "probe": the module in interop/probes that runs in its venv.
+# "compat" names the runtime in mtpconvert.compat.RUNTIMES.
 # "mtp": the runtime decodes with the MTP head (False: backbone checks only). "drafts": False when
 # the runtime injects the head but its MTP loop cannot run (vllm-mlx 0.6.0, upstream bug): then the
 # checks are backbone exact + head found, and the probe's `error` carries the runtime's own log text.
 # "torch": pre-install a matching torch + torchvision pair (see TORCH_PINS, install_torch).
 RUNTIMES: Dict[str, dict] = {
     "mlx-lm-0.32": dict(venv="mlx-lm-0.32.2", pip=["mlx-lm==0.32.2", MLX], dist="mlx-lm", version="0.32.2",
-                        probe="mlx_lm.py", mtp=False, compat="mlx-lm>=0.32", baseline=True),
+                        probe="mlx_lm", mtp=False, compat="mlx-lm>=0.32", baseline=True),
     "mlx-lm-0.31": dict(venv="mlx-lm-0.31.3", pip=["mlx-lm==0.31.3", MLX], dist="mlx-lm", version="0.31.3",
-                        probe="mlx_lm.py", mtp=False, compat="mlx-lm<0.32"),
+                        probe="mlx_lm", mtp=False, compat="mlx-lm<0.32"),
     "mlx-vlm": dict(venv="mlx-vlm-0.7.10", pip=["mlx-vlm==0.7.10", MLX], dist="mlx-vlm", version="0.7.10",
-                    probe="mlx_vlm.py", mtp=True, compat="mlx-vlm"),
+                    probe="mlx_vlm", mtp=True, compat="mlx-vlm"),
     # the same venv, the head taken as a separate drafter: --draft-model OUT/mtp
     "mlx-vlm-drafter": dict(venv="mlx-vlm-0.7.10", pip=["mlx-vlm==0.7.10", MLX], dist="mlx-vlm", version="0.7.10",
-                            probe="mlx_vlm.py", probe_args=["--drafter", "{folder}/mtp"], mtp=True,
+                            probe="mlx_vlm", probe_args=["--drafter", "{folder}/mtp"], mtp=True,
                             compat="mlx-vlm-drafter"),
     "mtplx": dict(venv="mtplx", pip=(MTPLX_LINUX if LINUX else []) + ["mtplx==2.12.2"], dist="mtplx",
-                  version="2.12.2", probe="mtplx.py", mtp=True, compat="mtplx"),
+                  version="2.12.2", probe="mtplx", mtp=True, compat="mtplx"),
     "rapid-mlx": dict(venv="rapid-mlx", pip=["rapid-mlx==0.16.10", MLX], dist="rapid-mlx", version="0.16.10",
-                      probe="rapid_mlx.py", mtp=True, compat="rapid-mlx", torch=True),
+                      probe="rapid_mlx", mtp=True, compat="rapid-mlx", torch=True),
     "vllm-mlx": dict(venv="vllm-mlx", pip=["vllm-mlx==0.6.0", MLX], dist="vllm-mlx", version="0.6.0",
-                     probe="vllm_mlx.py", mtp=True, drafts=False, compat="vllm-mlx", torch=True),
+                     probe="vllm_mlx", mtp=True, drafts=False, compat="vllm-mlx", torch=True),
     # not on PyPI: optional (--with-pr990, MTPCONVERT_PR990_SRC = a checkout or pip URL, or a checkout
     # at PR990_LOCAL)
-    "mlx-lm-pr990": dict(venv="mlx-lm-pr990", pip=None, dist="mlx-lm", version=None, probe="mlx_lm_pr990.py",
+    "mlx-lm-pr990": dict(venv="mlx-lm-pr990", pip=None, dist="mlx-lm", version=None, probe="mlx_lm_pr990",
                          mtp=True, compat="mlx-lm-pr990", optional=True),
 }
 BASELINE = "mlx-lm-0.32"
@@ -293,7 +294,7 @@ def source_folder(py: str, source: str, work: Path) -> Path:
     out = work / "src-dense-vision"
     if not (out / "config.json").is_file():
         log(f"[build] {out}: the dense fixture + a random vision tower (interop/vision_fixture.py)")
-        r = subprocess.run([py, str(HERE / "vision_fixture.py"), str(out)], capture_output=True, text=True,
+        r = subprocess.run([py, "-m", "interop.vision_fixture", str(out)], capture_output=True, text=True,
                            env=_env(), cwd=str(ROOT))
         if r.returncode != 0:
             raise RuntimeError("vision_fixture.py failed: " + _last_line(r.stderr))
@@ -363,8 +364,10 @@ def predict(py: str, folder: str) -> Optional[dict]:
 
 
 def run_probe(rt: dict, folder: str, prompts: Path, max_tokens: int, timeout: int, python=None) -> dict:
-    cmd = [str(python or venv_python(rt)), str(PROBES / rt["probe"]), "--folder", folder, "--prompts-json", str(prompts),
-           "--max-tokens", str(max_tokens)] + [arg.format(folder=folder) for arg in rt.get("probe_args", [])]
+    """The probe's JSON: ``python -m interop.probes.<probe>`` with the runtime venv's Python, from the root."""
+    cmd = [str(python or venv_python(rt)), "-m", f"interop.probes.{rt['probe']}", "--folder", folder,
+           "--prompts-json", str(prompts), "--max-tokens", str(max_tokens)]
+    cmd += [arg.format(folder=folder) for arg in rt.get("probe_args", [])]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     except subprocess.TimeoutExpired:
@@ -580,8 +583,8 @@ def main(argv=None) -> int:
     skipped, ready, env_notes = {}, [], {}
     for n in names:
         rt = RUNTIMES[n]
-        if not (PROBES / rt["probe"]).is_file():
-            skipped[n] = f"no probe (interop/probes/{rt['probe']})"
+        if not (PROBES / f"{rt['probe']}.py").is_file():
+            skipped[n] = f"no probe (interop/probes/{rt['probe']}.py)"
             continue
         st = ensure_venv(n, rt, a.with_pr990, a.reinstall)
         if st["ready"]:
@@ -591,7 +594,7 @@ def main(argv=None) -> int:
                 if bad:
                     env_notes[n] = (f"its torchvision does not run with its torch ({bad}): the multimodal route "
                                     "(--keep-vision folders) cannot load here; install torch and torchvision from one index "
-                                    "(interop/run.py --setup-only --runtimes " + n + " does) to test it")
+                                    "(python -m interop.run --setup-only --runtimes " + n + " does) to test it")
         else:
             skipped[n] = st["why"]
         log(f"[setup] {n}: {st['why']}")

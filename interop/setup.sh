@@ -9,9 +9,10 @@
 #     (PyPI's matching pair, torch===2.13.0 + torchvision==0.28.0, where that index does not answer)
 #     (MTPCONVERT_TORCH_INDEX overrides the index; empty = pip's own), then the runtime under a
 #     constraints file pinning both.
-# Extra arguments go to interop/run.py, e.g. --runtimes mlx-vlm,mlx-lm-0.32, --with-pr990 (the
+# Extra arguments go to python -m interop.run, e.g. --runtimes mlx-vlm,mlx-lm-0.32, --with-pr990 (the
 # mlx-lm PR #990 branch from GitHub; a checkout in $CACHE/src/mlx-lm-pr990 or MTPCONVERT_PR990_SRC
 # is used when present), --reinstall.
 set -euo pipefail
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-exec "${PYTHON:-python3}" "$here/run.py" --setup-only "$@"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# the repository root on PYTHONPATH, so that this runs from any folder (relative arguments keep their meaning)
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "${PYTHON:-python3}" -m interop.run --setup-only "$@"

@@ -9,7 +9,7 @@ transformers' own ``Qwen3_5ForConditionalGeneration`` (the vision dimensions of
 as a VLM (vision tower present, loaded strictly).
 
 Run with the project venv (needs torch, transformers, safetensors):
-    python interop/vision_fixture.py OUT [--fixture mtpconvert/fixture/data/tiny-qwen35-mtp]
+    python -m interop.vision_fixture OUT [--fixture mtpconvert/fixture/data/tiny-qwen35-mtp]
 """
 
 from __future__ import annotations

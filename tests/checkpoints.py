@@ -20,7 +20,7 @@ import torch
 
 from mtpconvert.families import model_spec
 from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
-from rawexport import to_raw
+from tools.rawexport import to_raw
 from mtpconvert.families.base import NORM
 from mtpconvert.families.qwen3_5 import mtp_slots
 

@@ -1,12 +1,6 @@
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))  # rawexport, train_fixture: dev tools, not installed
-
-from checkpoints import build  # noqa: E402
+from tests.checkpoints import build
 
 LAYOUTS = {
     # name: build kwargs

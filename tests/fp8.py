@@ -23,7 +23,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-import checkpoints
+from tests import checkpoints
 
 BLOCK = 128
 E4M3_MAX = 448.0

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 
-from checkpoints import convert_folder
+from tests.checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.smoke.decode import divergence
 from mtpconvert.runtime.decoding import batched, draft_policy
@@ -23,7 +23,7 @@ from mtpconvert.runtime.decoding.rowcache import RowKVCache
 from mtpconvert.runtime.decoding.sampling import Sampling
 from mtpconvert.runtime.decoding.speculative import plain_generate
 from mtpconvert.runtime.measure.baseline import mlx_lm_generate
-from test_runtime import chi2_critical, chi2_stat
+from tests.test_runtime import chi2_critical, chi2_stat
 
 TOKENS = 20
 NEAR_TIE = 0.05  # top-2 logit margin (bf16 model) below which a different argmax is kernel rounding

@@ -22,14 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 linux = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/maps"),
                            reason="LD_PRELOAD and /proc/self/maps are Linux's")
 
-CHILD = f"""
+CHILD = """
 import json, os, sys
-sys.path.insert(0, {str(REPO)!r})
 print("start", os.getpid(), flush=True)
 from mtpconvert import blas
 blas.startup()
-print(json.dumps({{"pid": os.getpid(), "mapped": blas.mapped_blas(), "preload": os.environ.get("LD_PRELOAD", ""),
-                  "state": os.environ.get(blas.STATE_ENV)}}), flush=True)
+print(json.dumps({"pid": os.getpid(), "mapped": blas.mapped_blas(), "preload": os.environ.get("LD_PRELOAD", ""),
+                  "state": os.environ.get(blas.STATE_ENV)}), flush=True)
 """
 
 
@@ -55,6 +54,7 @@ def run_child(tmp_path: Path, env_extra: dict, drop=("LD_PRELOAD",)):
     script.parent.mkdir(exist_ok=True)
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if k not in drop and k not in (blas.ENV, blas.STATE_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this mtpconvert
     env.update(env_extra)
     p = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -210,7 +210,7 @@ def test_the_command_says_once_when_mlx_stays_on_the_reference_blas(tmp_path):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from checkpoints import convert_folder
+    from tests.checkpoints import convert_folder
     from mtpconvert.fixture import fixture_path
 
     out = tmp_path_factory.mktemp("blas") / "q4"
@@ -235,7 +235,7 @@ def test_layerwise_tokens_fit_the_measured_gemm_rate(converted, monkeypatch):
 
 
 def test_decoding_misfit(converted, tmp_path, monkeypatch):
-    from mtpconvert.runtime.smoke import smoke
+    from mtpconvert.runtime.smoke import decode as smoke
 
     assert smoke.decoding_misfit(converted) is None  # the fixture decodes in seconds
     monkeypatch.setattr(smoke, "row_gflops", lambda folder, size=1024: 1e-6)
@@ -248,7 +248,7 @@ def test_decoding_misfit(converted, tmp_path, monkeypatch):
 
 
 def test_a_cut_layerwise_smoke_still_fails_a_broken_head(tmp_path, monkeypatch):
-    from checkpoints import convert_folder, without_shift
+    from tests.checkpoints import convert_folder, without_shift
     from mtpconvert.gate import GateFailed, GateRecord, Gate, run_gate
     from mtpconvert.demo import fixture_prompts
     from mtpconvert.fixture import fixture_path

@@ -6,7 +6,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import tree_digest
+from tests.checkpoints import tree_digest
 
 from mtpconvert.execute.blocks import _source_runs, item_blocks, quantized_in_numpy, rows
 from mtpconvert.execute import execute, pipeline

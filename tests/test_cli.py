@@ -5,7 +5,7 @@ import re
 import shlex
 
 import pytest
-from checkpoints import resume_command
+from tests.checkpoints import resume_command
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app
@@ -55,7 +55,7 @@ def test_convert_then_verify_json(raw_checkpoints, tmp_path):
 
 
 def test_failed_conversion_leaves_nothing(tmp_path):
-    from checkpoints import build
+    from tests.checkpoints import build
 
     built = build(tmp_path / "nomtp", mtp_layers=0, config_mtp=1, tokenizer=False)
     out = tmp_path / "out"
@@ -234,7 +234,7 @@ def test_convert_warns_for_each_runtime_the_mtp_precision_shuts_out(tmp_path, mo
     from types import SimpleNamespace
 
     from rich.console import Console
-    from test_compat import Q4, default_layout
+    from tests.test_compat import Q4, default_layout
 
     from mtpconvert.cli import convert as convert_cli
     from mtpconvert.options import QuantOptions

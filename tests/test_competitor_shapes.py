@@ -3,7 +3,7 @@ right runtime rows, and a finding that says what is missing for which runtime an
 
 import pytest
 
-from competitor_shapes import (MLX_VLM_VENV, mlx_lm_headless, mlx_vlm_pair, mtplx_optimized, omlx_imported,
+from tests.competitor_shapes import (MLX_VLM_VENV, mlx_lm_headless, mlx_vlm_pair, mtplx_optimized, omlx_imported,
                                vllm_mlx_add_mtp_weights, vllm_mlx_extracted)
 from mtpconvert.verify import verify
 

@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import fp8
-from checkpoints import convert_folder, without_shift
-from test_parity import FP32_ATOL, IDS, mlx_logits
+from tests import fp8
+from tests.checkpoints import convert_folder, without_shift
+from tests.test_parity import FP32_ATOL, IDS, mlx_logits
 from mtpconvert import api
 from mtpconvert.cli import run
 from mtpconvert.execute import execute

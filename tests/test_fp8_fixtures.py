@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import checkpoints
-import fp8
+from tests import checkpoints, fp8
 
 NAN_CODES = (0x7F, 0xFF)
 

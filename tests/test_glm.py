@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import layouts
-from checkpoints import GLM, build_glm, convert_folder
+from tools import layouts
+from tests.checkpoints import GLM, build_glm, convert_folder
 from mtpconvert.cli import run
 from mtpconvert.families import family_for
 from mtpconvert.plan import build_plan
@@ -36,7 +36,7 @@ def test_families_lists_the_glm_families(capsys):
 
 @pytest.mark.parametrize("name, experts", [("GLM-4.7-Flash", 64), ("GLM-4.5-Air", 128)])
 def test_published_table_plans_every_tensor_and_the_whole_nextn_layer(name, experts):
-    from test_layouts import table_checkpoint
+    from tests.test_layouts import table_checkpoint
 
     ckpt = table_checkpoint(name)
     plan = build_plan(ckpt)
@@ -58,7 +58,7 @@ def test_published_table_plans_every_tensor_and_the_whole_nextn_layer(name, expe
 
 
 def test_flash_table_splits_kv_b_into_mlx_lms_per_head_matrices():
-    from test_layouts import table_checkpoint
+    from tests.test_layouts import table_checkpoint
 
     plan = build_plan(table_checkpoint("GLM-4.7-Flash"))
     by_name = {it.name: it for it in plan.items}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hubserver import FakeHub
+from tests.hubserver import FakeHub
 from mtpconvert.cli import app
 from mtpconvert.fixture import fixture_path
 
@@ -215,7 +215,7 @@ def test_add_mtp_grafts_the_head_reading_only_its_byte_ranges(hub, tmp_path):
 def test_add_mtp_from_a_release_with_a_vision_only_shard(hub, tmp_path):
     """Qwen3.6-27B keeps its vision tower in a shard of its own, which a pull skips: add-mtp from such a
     release grafts the head without asking for that shard (the index still names it)."""
-    from checkpoints import build
+    from tests.checkpoints import build
 
     from mtpconvert.verify import verify
 
@@ -288,7 +288,7 @@ def served_moe(hub, tmp_path, monkeypatch, quantizer: str, prefix: str, shards: 
     """A bf16 MoE laid out as Qwen3.5 publishes it (fused backbone experts, per-expert head), in ``shards``
     consecutive-key shards on the loopback Hub under its own repo (a plain pull fills the cache), and the
     quantizer the conversion runs: "mlx" or "numpy workers". Returns (repo, source folder)."""
-    from checkpoints import build
+    from tests.checkpoints import build
 
     from mtpconvert.execute import pipeline as execute_mod
 
@@ -353,7 +353,7 @@ def test_stream_with_no_prefetch_holds_one_raw_shard(hub, tmp_path, monkeypatch,
     no output tensor reads two shards), so raw data on disk never exceeds the largest shard; the output
     bytes are the default's, and the option is recorded for the card's command. The default (one shard
     ahead) starts a download while a shard is on disk: the measurement tells the two apart."""
-    from checkpoints import build
+    from tests.checkpoints import build
 
     from mtpconvert.hub import pull as hub_mod
     from mtpconvert.provenance import command_args
@@ -549,7 +549,7 @@ PUBLISH_ARGS = ["--bits", "4", "--group-size", "32", "--max-shard-size", "0.0000
 
 
 def five_shard_moe(hub, tmp_path, repo="Qwen/Five-Pub"):
-    from checkpoints import build
+    from tests.checkpoints import build
 
     src = reshard(build(tmp_path / "one", moe=True, experts="published35", dtype="bfloat16", seed=3).path,
                   tmp_path / "five", 5)
@@ -713,7 +713,7 @@ def five_shard_vlm(hub, tmp_path, raw_checkpoints):
 
 
 def shard_digests(folder: Path) -> dict:
-    from checkpoints import tree_digest
+    from tests.checkpoints import tree_digest
 
     return {n: d for n, d in tree_digest(folder).items() if n.endswith(".safetensors")}
 
@@ -723,7 +723,7 @@ def shard_digests(folder: Path) -> dict:
 def test_pull_converts_without_the_shards_it_skipped(hub, five_shard_vlm, tmp_path, stream, mtp):
     """A shard holding only dropped tensors (vision; MTP with --mtp drop) is neither fetched nor
     asked for: the output equals converting the full folder, byte for byte."""
-    from checkpoints import convert_folder
+    from tests.checkpoints import convert_folder
 
     skipped = {VISION_SHARD} | ({MTP_SHARD} if mtp == "drop" else set())
     out = tmp_path / "pulled"
@@ -789,7 +789,7 @@ def test_absent_shard_holding_a_kept_tensor_is_refused(five_shard_vlm):
 def test_published_qwen36_27b_vision_shard_is_skipped():
     """The real case: Qwen3.6-27B puts model.visual.* alone in shard 7 of 15, which a pull skips
     (and the converter then opens the folder without it, as tested above)."""
-    import layouts
+    from tools import layouts
 
     from mtpconvert.hub.pull import needed_files
 
@@ -890,7 +890,7 @@ def graft_onto_headless(hub, repo: str, src: Path, base: Path, tmp_path: Path, o
     smoke's greedy output unchanged; the folder verifies with a complete head; the head is the one a direct `convert`
     of ``src`` with the same options writes; the backbone's shards are the bytes they were and the sidecar is the
     only new file; and from the Hub only, by range, each shard's header and its mtp.* tensors. Returns the head."""
-    from checkpoints import tree_digest
+    from tests.checkpoints import tree_digest
 
     from mtpconvert.io.checkpoint import MTP_FILE
     from mtpconvert.io.header import read_header
@@ -932,7 +932,7 @@ def test_add_mtp_grafts_qwen38_27b_head_from_its_last_shard_by_byte_range(hub, t
     lm_head and all 15 mtp.* in its last shard. add-mtp reads each shard's header and the mtp.* ranges only
     (not lm_head beside them, not whole shards), writes the same 15 sidecar tensors a direct conversion writes,
     leaves the backbone's shards as they were, and the folder verifies with a complete head."""
-    from checkpoints import build
+    from tests.checkpoints import build
 
     from mtpconvert.io.header import read_header
 
@@ -961,7 +961,7 @@ def fp8_release(raw_checkpoints, tmp_path, layout: str) -> Path:
     """``layout``'s raw checkpoint in Qwen's FP8 release layout (tests/fp8.py): F8_E4M3 weights, each with its BF16
     weight_scale_inv, experts one by one (the head's too, and the head in FP8 but mtp.fc); layers-{i}.safetensors,
     mtp.safetensors, outside.safetensors and the index."""
-    import fp8
+    from tests import fp8
 
     return fp8.fp8_twin(raw_checkpoints(layout), tmp_path / f"{layout}-fp8")
 
@@ -1082,7 +1082,7 @@ NEXT_ARGS = ["--bits", "4", "--group-size", "32", "--no-smoke"]
 def next_release(hub, tmp_path):
     """A tiny raw Qwen3-Next in the published layout, served: flat ``model.*`` keys, per-expert experts, a config
     with no MTP count, two ``model-0000N-of-00002`` shards with every ``mtp.*`` alone in the last."""
-    from checkpoints import build_next
+    from tests.checkpoints import build_next
 
     src = build_next(tmp_path / "next-raw", shards=2).path
     weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
@@ -1098,7 +1098,7 @@ def test_streamed_pull_of_qwen3_next_keeps_the_whole_head(hub, next_release, tmp
     """--stream on a Qwen3-Next release: the head-only shard is fetched (whole or by ranges), the output verifies
     with its MTP head complete (1 layer, found from the tensors: the config has no count) and every file is a local
     `convert`'s of the same source and options, byte for byte. With --mtp drop the head's shard is not fetched."""
-    from checkpoints import convert_folder, tree_digest
+    from tests.checkpoints import convert_folder, tree_digest
     from mtpconvert.verify import verify
 
     src, head_shard = next_release

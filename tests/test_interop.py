@@ -21,7 +21,6 @@ the test is skipped, saying so.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -34,8 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import convert_folder
+from interop import run
 from mtpconvert.compat import check_folder
+from tests.checkpoints import convert_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "mtpconvert" / "fixture" / "data"
@@ -52,16 +52,6 @@ OVERLAYS = {
 _OFFLINE = ("NewConnectionError", "Failed to establish a new connection", "Could not fetch URL",
             "Temporary failure in name resolution", "Name or service not known", "Network is unreachable",
             "ConnectTimeout", "ReadTimeout", "ProxyError", "No route to host", "Max retries exceeded")
-
-
-def _harness():
-    spec = importlib.util.spec_from_file_location("interop_run", ROOT / "interop" / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-run = _harness()
 
 
 def _index_reachable() -> str:
@@ -202,7 +192,7 @@ def test_mlx_vlm_runs_the_qwen3_next_backbone_and_cannot_draft_as_predicted(obse
 @pytest.fixture(scope="module")
 def glm(venvs, tmp_path_factory):
     """{(model type, folder): the mlx-vlm GLM probe's JSON}: GLM-5 (float32 and a 4-bit head) and GLM-4.7-Flash."""
-    from checkpoints import build_glm
+    from tests.checkpoints import build_glm
 
     root = tmp_path_factory.mktemp("glm")
     out = {}
@@ -213,9 +203,9 @@ def glm(venvs, tmp_path_factory):
             build_glm(raw, model_type, **({"index_topk": 64} if model_type == "glm_moe_dsa" else {}))
         folder = root / f"{model_type}-{name}"
         convert_folder(raw, folder, dtype="float32", **quant)  # float32: the CPU's gather_mm
-        r = subprocess.run([str(venvs["mlx-vlm-0.7.10"]), str(run.HERE / "probes" / "mlx_vlm_glm.py"), str(folder),
+        r = subprocess.run([str(venvs["mlx-vlm-0.7.10"]), "-m", "interop.probes.mlx_vlm_glm", str(folder),
                             str(raw), json.dumps([[5, 17, 99, 3, 250, 41, 7, 8], [9, 10, 11, 12, 300]]), "16"],
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-2000:]
         out[(model_type, name)] = (folder, json.loads(r.stdout.strip().splitlines()[-1]))
     # the trained GLM-5 fixture on held-out stdlib prompts: mlx-vlm's drafter accepts a realistic share
@@ -225,8 +215,8 @@ def glm(venvs, tmp_path_factory):
     folder = root / "glm5-fixture"
     convert_folder(src, folder, dtype="float32")
     ids = heldout_prompts(src, per_file=1, prompt_tokens=48, files=4)[1]
-    r = subprocess.run([str(venvs["mlx-vlm-0.7.10"]), str(run.HERE / "probes" / "mlx_vlm_glm.py"), str(folder),
-                        str(src), json.dumps(ids), "32"], capture_output=True, text=True, timeout=600)
+    r = subprocess.run([str(venvs["mlx-vlm-0.7.10"]), "-m", "interop.probes.mlx_vlm_glm", str(folder),
+                        str(src), json.dumps(ids), "32"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     out[("glm_moe_dsa", "fixture")] = (folder, json.loads(r.stdout.strip().splitlines()[-1]))
     return out

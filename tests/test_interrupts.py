@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from checkpoints import resume_command
+from tests.checkpoints import resume_command
 
 from mtpconvert.execute.resume import RESUME_DIR
 
@@ -158,7 +158,7 @@ def test_ctrl_c_under_stream_stops_within_seconds(raw_checkpoints, tmp_path, fet
     """Ctrl-C while --stream downloads a shard, or byte ranges of it (served slowly: a shard would take
     ~30 s) ends the run at once instead of waiting for the download: exit 130, nothing at OUT, the
     staging folder gone."""
-    from hubserver import FakeHub
+    from tests.hubserver import FakeHub
 
     with FakeHub() as hub:
         hub.add_folder("Qwen/Tiny-MoE", raw_checkpoints("moe-fused").path)

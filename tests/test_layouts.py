@@ -3,11 +3,11 @@
 import re
 from pathlib import Path
 
-import fp8
-import layouts
 import numpy as np
-
 import pytest
+
+from tests import fp8
+from tools import layouts
 
 from mtpconvert.errors import ConfigError
 from mtpconvert.options import ConvertOptions

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import convert_folder
+from tests.checkpoints import convert_folder
 from typer.testing import CliRunner
 
 from mtpconvert.cli import app

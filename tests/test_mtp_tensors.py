@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from checkpoints import convert_folder, without_shift
+from tests.checkpoints import convert_folder, without_shift
 from mtpconvert.families.qwen3_5 import is_zero_centred_norm as is_shifted_norm
 from mtpconvert.io.reader import read_all
 

@@ -10,8 +10,8 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import tree_digest
-from quant_cases import MX_DTYPES, TARGETS, edge_groups
+from tests.checkpoints import tree_digest
+from tests.quant_cases import MX_DTYPES, TARGETS, edge_groups
 
 from mtpconvert.execute import npquant, ops, quantpool
 from mtpconvert.execute import pipeline as execute_mod
@@ -375,7 +375,7 @@ FP8_CASES = {
 def fp8_text_twins(tmp_path_factory):
     """Block-FP8 twins of the trained text fixtures (hidden 192: matrices of one full and one partial
     128-row block, per-expert MoE experts with their own scales)."""
-    from fp8 import fp8_twin
+    from tests.fp8 import fp8_twin
     from mtpconvert.fixture.text import TEXT_DENSE, TEXT_MOE
 
     root = tmp_path_factory.mktemp("fp8")
@@ -401,7 +401,7 @@ def test_fp8_sources_quantize_in_numpy_with_mlxs_bytes(fp8_text_twins, tmp_path,
 
 def test_a_non_finite_fp8_scale_is_named_on_the_numpy_path_too(fp8_text_twins, tmp_path, numpy_pool):
     """npquant gives a block whose scale is not finite back to MLX's path, which names the scale."""
-    from fp8 import poison_scale
+    from tests.fp8 import poison_scale
     from mtpconvert.errors import LayoutError
 
     src = tmp_path / "src"

@@ -12,7 +12,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from checkpoints import convert_folder
+from tests.checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.decoding.batched import Stream, run_batch
 from mtpconvert.runtime.decoding.load import load

@@ -4,11 +4,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from conftest import LAYOUTS
 
 import mlx_lm
 from mlx_lm.utils import load_model
-from checkpoints import convert_folder, without_shift
+from tests.checkpoints import convert_folder, without_shift
+from tests.conftest import LAYOUTS
 from mtpconvert.verify import verify
 
 # float32 end to end: differences are accumulation order only.

@@ -107,7 +107,7 @@ def test_plan_orders_by_source_shard_and_shards_output(raw_checkpoints):
 
 
 def test_missing_mtp_under_config_claim(raw_checkpoints, tmp_path):
-    from checkpoints import build
+    from tests.checkpoints import build
 
     built = build(tmp_path / "nomtp", mtp_layers=0, config_mtp=1, tokenizer=False)
     with pytest.raises(LayoutError, match="promises mtp_num_hidden_layers=1") as e:
@@ -117,7 +117,7 @@ def test_missing_mtp_under_config_claim(raw_checkpoints, tmp_path):
 
 
 def test_mtp_weights_without_config(tmp_path):
-    from checkpoints import build
+    from tests.checkpoints import build
 
     built = build(tmp_path / "cfg0", mtp_layers=1, config_mtp=0, tokenizer=False)
     with pytest.raises(LayoutError, match="1 MTP layer.*mtp_num_hidden_layers=0"):
@@ -135,7 +135,7 @@ def test_a_config_without_the_mtp_count_takes_it_from_the_tensors(tmp_path, laye
     """Some Qwen3.6 variants (and every Qwen3-Next config) omit mtp_num_hidden_layers while the head is
     there: the count comes from the tensors, the plan says so, the output config carries it, and
     verify warns about the source but accepts the converted folder."""
-    from checkpoints import build
+    from tests.checkpoints import build
     from mtpconvert.execute import execute
     from mtpconvert.verify import verify
 
@@ -158,7 +158,7 @@ def test_a_config_without_the_mtp_count_takes_it_from_the_tensors(tmp_path, laye
 
 
 def test_a_config_without_the_mtp_count_and_no_head_keeps_none(tmp_path):
-    from checkpoints import build
+    from tests.checkpoints import build
 
     built = build(tmp_path / "src", mtp_layers=0, tokenizer=False)
     _without_mtp_count(built.path)
@@ -183,7 +183,7 @@ def _drop_key(folder, pattern):
 
 
 def test_missing_expert_names_first_missing_key(tmp_path):
-    from checkpoints import build
+    from tests.checkpoints import build
 
     built = build(tmp_path / "m", moe=True, tokenizer=False)
     _drop_key(built.path, r"^mtp\.layers\.0\.mlp\.experts\.[12]\.up_proj")
@@ -195,7 +195,7 @@ def test_missing_expert_names_first_missing_key(tmp_path):
 def test_unexpected_and_bad_shape(tmp_path):
     from safetensors.numpy import load_file, save_file
     import numpy as np
-    from checkpoints import build
+    from tests.checkpoints import build
 
     built = build(tmp_path / "u", tokenizer=False)
     f = built.path / "model.safetensors"
@@ -269,7 +269,7 @@ def test_fp4_and_activation_scaled_sources_are_refused_by_format(tmp_path, extra
     import torch
     from safetensors.torch import load_file, save_file
 
-    from checkpoints import build
+    from tests.checkpoints import build
     from mtpconvert.verify import verify
 
     built = build(tmp_path / "src", tokenizer=False)

@@ -6,7 +6,7 @@ import errno
 import pytest
 from typer.testing import CliRunner
 
-from checkpoints import convert_folder, resume_command, without_shift
+from tests.checkpoints import convert_folder, resume_command, without_shift
 from mtpconvert import api
 from mtpconvert.gate import GateFailed, GateRecord, Gate, choose_smoke, run_gate
 from mtpconvert.cli import app

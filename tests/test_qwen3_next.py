@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import layouts
-from checkpoints import build_next, convert_folder
+from tools import layouts
+from tests.checkpoints import build_next, convert_folder
 from mtpconvert.errors import OptionsError
 from mtpconvert.families import family_for
 from mtpconvert.families.qwen3_next import FAMILY
@@ -79,7 +79,7 @@ def test_family_is_listed_and_found():
 
 
 def test_published_table_plans_the_whole_head_from_the_tensors():
-    from test_layouts import table_checkpoint
+    from tests.test_layouts import table_checkpoint
 
     plan = build_plan(table_checkpoint("Qwen3-Next-80B-A3B-Instruct"))
     assert plan.raw and plan.mtp_layers == 1 and plan.style == "raw-text"
@@ -277,7 +277,7 @@ def trained(tmp_path_factory):
 def test_batched_rows_match_plain_batched_and_solo(trained):
     """Batched MTP over the trained Qwen3-Next head: rows joining and leaving, plain and drafting rows in one
     step, every row's tokens the plain engine's (and solo plain greedy's)."""
-    from test_batched import Alternate, assert_not_degenerate, mixed_streams
+    from tests.test_batched import Alternate, assert_not_degenerate, mixed_streams
 
     from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
     from mtpconvert.runtime.decoding.batched import run_batch

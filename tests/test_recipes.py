@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-import yaml
-
-import layouts
 import pytest
+import yaml
 from typer.testing import CliRunner
+
+from tools import layouts
 
 from mtpconvert import api
 from mtpconvert.cli import app
@@ -24,7 +24,7 @@ from mtpconvert.io.checkpoint import MTP_FILE
 from mtpconvert.io.header import dtype_itemsize
 from mtpconvert.recipes import (RELEASES, RUNNERS, SHARD_SIZE_HEADROOM_GB, VOCAB, list_recipes, load_recipe, runner_labels,
                                 workflow_matrix)
-from test_layouts import DERIVED_FP8, FP8_TWINS, table_checkpoint
+from tests.test_layouts import DERIVED_FP8, FP8_TWINS, table_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

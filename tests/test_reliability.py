@@ -10,7 +10,7 @@ import sys
 
 import mlx.core as mx
 import pytest
-from checkpoints import tree_digest
+from tests.checkpoints import tree_digest
 from typer.testing import CliRunner
 
 from mtpconvert.execute import pipeline as execute_mod  # noqa: F401

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from checkpoints import convert_folder, without_shift
+from tests.checkpoints import convert_folder, without_shift
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.fixture import fixture_path
 from mtpconvert.runtime.smoke.decode import encode_prompts

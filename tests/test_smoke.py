@@ -3,7 +3,7 @@
 import pytest
 from typer.testing import CliRunner
 
-from checkpoints import convert_folder, without_shift
+from tests.checkpoints import convert_folder, without_shift
 from mtpconvert.cli import app
 from mtpconvert.demo import fixture_prompts
 from mtpconvert.execute import execute
@@ -84,7 +84,7 @@ def _per_expert_moe_fixture(tmp_path):
 
     import mlx.core as mx
 
-    from rawexport import to_raw
+    from tools.rawexport import to_raw
 
     src = fixture_path("moe")
     mlx_dir = convert(tmp_path, "moe-mlx", variant="moe")  # same bf16 weights, renamed and shifted

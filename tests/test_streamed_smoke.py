@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
-from broken_heads import editor
+from tools.broken_heads import editor
 from mtpconvert import api
 from mtpconvert.gate import Gate
 from mtpconvert.cli import app
@@ -21,7 +21,7 @@ from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
 from mtpconvert.families import QWEN3_5
 from mtpconvert.runtime.smoke.sizing import unit_of
 from mtpconvert.runtime.smoke.streamed import SMOKE_DIR, StreamedLayerwise, shards_by_unit
-from test_hub import hub, shards_holding_data  # noqa: F401  (the loopback Hub fixture)
+from tests.test_hub import hub, shards_holding_data  # noqa: F401  (the loopback Hub fixture)
 
 runner = CliRunner()
 SHARD_BYTES = 300_000  # 6-7 output shards of the 4-bit text fixtures; a layer spans two or three

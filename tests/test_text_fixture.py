@@ -9,8 +9,8 @@ on the text fixtures", "The smoke floor").
 
 import pytest
 
-from broken_heads import break_folder
-from checkpoints import convert_folder
+from tools.broken_heads import break_folder
+from tests.checkpoints import convert_folder
 from mtpconvert.gate import GateFailed, GateRecord, Gate, smoke_folder
 from mtpconvert.errors import LayoutError
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from checkpoints import convert_folder, without_shift
+from tests.checkpoints import convert_folder, without_shift
 from mtpconvert import api
 from mtpconvert.gate import GateFailed, GateRecord, Gate, run_gate
 from mtpconvert.compat import read_folder
@@ -193,7 +193,7 @@ def test_real_mtplx_accepts_it_and_labels_the_folder_verified(converted):
 @pytest.fixture()
 def hub(tmp_path, monkeypatch):
     """A loopback Hub serving the dense fixture (as tests/test_hub.py's ``hub``, less its other repos)."""
-    from hubserver import FakeHub
+    from tests.hubserver import FakeHub
 
     with FakeHub() as h:
         monkeypatch.setenv("HF_ENDPOINT", h.url)

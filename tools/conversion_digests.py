@@ -1,8 +1,8 @@
 """sha256 of every file of a matrix of conversions: proof that a refactor changes no output byte.
 
-    python tools/conversion_digests.py --work /tmp/digests > before.json
+    python -m tools.conversion_digests --work /tmp/digests > before.json
     ... change the code ...
-    python tools/conversion_digests.py --work /tmp/digests > after.json && diff before.json after.json
+    python -m tools.conversion_digests --work /tmp/digests > after.json && diff before.json after.json
 
 Sources: the four bundled fixtures, and the tests' raw builders (VLM wrapper with vision, fused and
 published-style experts, tied embeddings, bf16, two MTP layers, a config that omits the MTP count).
@@ -21,9 +21,6 @@ import os
 import shutil
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tools")]
 
 OPTIONS = {
     "float": dict(),
@@ -54,7 +51,7 @@ def folder_digest(folder: Path) -> dict:
 
 
 def sources(work: Path) -> dict:
-    from checkpoints import build
+    from tests.checkpoints import build
     from mtpconvert.fixture import DATA
 
     found = {p.name: (p, False) for p in sorted(DATA.iterdir()) if p.is_dir()}
@@ -80,7 +77,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="scratch folder (sources are built once)")
     parser.add_argument("--only", default=None, help="comma-separated source names")
     args = parser.parse_args()
-    from checkpoints import convert_folder
+    from tests.checkpoints import convert_folder
 
     digests = {}
     for name, (src, vision) in sources(args.work).items():

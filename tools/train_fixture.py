@@ -6,7 +6,7 @@ convention vLLM/SGLang/llama.cpp use at inference. Both share embed_tokens/lm_he
 The result is saved in the raw Hugging Face layout (zero-centred norms, [C,1,K]
 conv1d, top-level mtp.*), exactly what `mtpconvert convert` takes from the hub.
 
-    python tools/train_fixture.py --variant dense --steps 1500
+    python -m tools.train_fixture --variant dense --steps 1500
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mtpconvert.fixture.language import MarkovLanguage, write_tokenizer
 from mtpconvert.io.shard_writer import write_all
 from mtpconvert.families import QWEN3_5
 
-from rawexport import to_raw
+from tools.rawexport import to_raw
 
 VOCAB = 512
 TEXT = dict(

@@ -1,6 +1,6 @@
 """Shared plumbing of the interop probes (stdlib only: each probe runs in its runtime's own venv).
 
-A probe is run as ``<venv>/bin/python interop/probes/<runtime>.py --folder DIR --prompts-json FILE
+A probe is run as ``<venv>/bin/python -m interop.probes.<runtime> --folder DIR --prompts-json FILE
 --max-tokens N`` and prints exactly ONE JSON object on stdout:
 
     {"runtime", "version", "backbone_tokens": [[ids]...] | null, "head_found": bool,
@@ -24,11 +24,6 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Callable, List, Optional
-
-# A probe is named after its runtime (mlx_lm.py, mtplx.py, ...), and Python puts the probe's own
-# folder first on sys.path, where that file would shadow the runtime's package: drop the folder.
-_HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if (str(Path(p).resolve()) if p else str(Path.cwd())) != _HERE]
 
 
 def generated_ids(steps, max_tokens: int):

@@ -9,8 +9,7 @@ Run in the venv of the version under test (0.31.x shows the double norm shift wh
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_probe, top_logprobs, version_of  # noqa: E402
+from interop.probes._common import run_probe, top_logprobs, version_of
 
 
 def body(folder, prompts, max_tokens, result):

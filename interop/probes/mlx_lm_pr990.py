@@ -15,8 +15,8 @@ yields carry ``from_draft``: accepted = drafts emitted, proposed = accepted + re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import file_head_norm_mean, head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
+from interop.probes._common import (file_head_norm_mean, head_tensor_locations, run_probe, top_logprobs,
+                                    version_of)
 
 
 def body(folder, prompts, max_tokens, result):

@@ -13,8 +13,8 @@ drafter folder instead: ``OUT/mtp`` (the model's config beside ``weights.safeten
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import file_head_norm_mean, generated_ids, head_tensor_locations, run_probe, top_logprobs, version_of  # noqa: E402
+from interop.probes._common import (file_head_norm_mean, generated_ids, head_tensor_locations, run_probe,
+                                    top_logprobs, version_of)
 
 DRAFTER = None
 if "--drafter" in sys.argv:

@@ -1,4 +1,4 @@
-"""Probe: mlx-vlm (PyPI) on a GLM nextn folder. ``python mlx_vlm_glm.py OUT RAW IDS_JSON MAX_TOKENS``
+"""Probe: mlx-vlm (PyPI) on a GLM nextn folder. ``python -m interop.probes.mlx_vlm_glm OUT RAW IDS_JSON MAX_TOKENS``
 
 * the backbone through ``mlx_vlm.utils.load_model(OUT)`` and plain greedy ``generate_step``;
 * the head through ``load_drafter(OUT/mtp, kind="mtp")`` -- what ``mlx_vlm generate --draft-model OUT/mtp``
@@ -14,8 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import generated_ids  # noqa: E402  (and _common drops this folder from sys.path)
+from interop.probes._common import generated_ids
 
 
 def ours_name(split_key: str) -> str:

@@ -1,6 +1,6 @@
 """Probe: mtplx 2.12.2 (PyPI), through its own Python API.
 
-    <venv>/bin/python interop/probes/mtplx.py --folder DIR --prompts-json FILE --max-tokens N
+    <venv>/bin/python -m interop.probes.mtplx --folder DIR --prompts-json FILE --max-tokens N
 
 prints ONE JSON object on stdout (everything else goes to stderr):
 
@@ -38,10 +38,7 @@ import sys
 import traceback
 from pathlib import Path
 
-# The probe file is named like the runtime's package and Python puts the probe's folder first on
-# sys.path, where this file would shadow ``mtplx``: drop that folder before importing anything.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_probe  # noqa: E402  (and _common drops this folder from sys.path)
+from interop.probes._common import run_probe
 
 RUNTIME = "mtplx"
 

@@ -1,6 +1,6 @@
 """Probe: rapid-mlx 0.16.10 (PyPI), through its server, as a user runs it.
 
-    <venv>/bin/python interop/probes/rapid_mlx.py --folder DIR --prompts-json FILE --max-tokens N
+    <venv>/bin/python -m interop.probes.rapid_mlx --folder DIR --prompts-json FILE --max-tokens N
 
 prints ONE JSON object on stdout (everything else goes to stderr):
 
@@ -44,10 +44,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# The probe file is named like the runtime's package and Python puts the probe's folder first on
-# sys.path, where this file would shadow ``rapid_mlx``: drop that folder before importing anything.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_probe  # noqa: E402  (and _common drops this folder from sys.path)
+from interop.probes._common import run_probe
 
 RUNTIME = "rapid-mlx"
 BOOT_TIMEOUT_S = float(os.environ.get("MTPCONVERT_PROBE_BOOT_TIMEOUT", "600"))

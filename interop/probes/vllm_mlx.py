@@ -1,6 +1,6 @@
 """Probe: vllm-mlx 0.6.0 (PyPI), through the engine its ``--continuous-batching`` server runs.
 
-    <venv>/bin/python interop/probes/vllm_mlx.py --folder DIR --prompts-json FILE --max-tokens N
+    <venv>/bin/python -m interop.probes.vllm_mlx --folder DIR --prompts-json FILE --max-tokens N
 
 prints ONE JSON object on stdout (everything else goes to stderr):
 
@@ -42,10 +42,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-# The probe file is named like the runtime's package and Python puts the probe's folder first on
-# sys.path, where this file would shadow ``vllm_mlx``: drop that folder before importing anything.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import run_probe  # noqa: E402  (and _common drops this folder from sys.path)
+from interop.probes._common import run_probe
 
 RUNTIME = "vllm-mlx"
 

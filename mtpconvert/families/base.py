@@ -229,6 +229,9 @@ class Family:
     modules: Optional[ModulePaths] = None  # None: mlx-lm's text-model layout under text_prefix
     default_style: str = RAW_VLM  # the style of a folder none of whose keys tells (raw and MLX names coincide)
     loadable_config: Callable[[dict], dict] = lambda config: config  # output config -> what mlx-lm's loader needs
+    # why the backbone library's forward cannot run a model of this config (None: it can); a decoding smoke is
+    # then not attempted
+    forward_misfit: Callable[[dict], Optional[str]] = lambda config: None
     # the output config -> mtp/config.json, the drafter folder's config (plan.head.MTP_DRAFTER_CONFIG)
     drafter_config: Callable[[dict], dict] = lambda config: config
     # the model_type of the head-only drafter folder mlx-vlm writes for this head (``mlx_vlm.convert --mtp``)

@@ -156,6 +156,17 @@ ZERO_CENTRED_NORMS = ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_h
 
 
 
+def forward_misfit(config: dict) -> Optional[str]:
+    """mlx-lm's forward indexes a full-attention layer (every ``full_attention_interval``-th): a model cut to
+    fewer layers has none."""
+    tc = text_config(config)
+    interval, layers = tc.get("full_attention_interval"), tc.get("num_hidden_layers")
+    if isinstance(interval, int) and isinstance(layers, int) and 0 < layers < interval:
+        return (f"mlx-lm's forward needs a full-attention layer (every {interval}th) that these {layers} "
+                "layers lack")
+    return None
+
+
 def is_zero_centred_norm(mlx_name: str) -> bool:
     """Whether an MLX-named weight is one of the zero-centred RMSNorms (see above)."""
     rest = mlx_name[len(LM):] if mlx_name.startswith(LM) else mlx_name
@@ -390,6 +401,7 @@ FAMILY = Family(
     is_zero_centred_norm=is_zero_centred_norm,
     norms_zero_centred=norms_zero_centred,
     text_prefix=LM,
+    forward_misfit=forward_misfit,
     drafter_folder_type="qwen3_5_mtp",
     mtplx_arch=MTPLX_ARCH,
 )

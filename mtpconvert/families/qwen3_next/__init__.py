@@ -241,6 +241,7 @@ FAMILY = Family(
     norms_zero_centred=qwen3_5.norms_zero_centred,
     default_style=RAW_TEXT,
     loadable_config=loadable_config,
+    forward_misfit=qwen3_5.forward_misfit,
     mtp_count_keys=MTP_COUNT_KEYS,
     mtplx_arch=qwen3_5.MTPLX_ARCH,
 )

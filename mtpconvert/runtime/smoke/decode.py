@@ -257,20 +257,18 @@ def row_gflops(folder: Path, size: int = 1024) -> float:
 
 
 def decoding_misfit(folder: Path, max_tokens: int = 48, budget_s: float = DECODE_BUDGET_S) -> Optional[str]:
-    """Why the decoding smoke does not fit ``folder`` on this backend, or None when it does: mlx-lm's
-    forward cannot run its backbone (a Qwen3.5 / Qwen3-Next cut to fewer layers than
-    ``full_attention_interval`` has no full-attention layer, which the forward indexes), or, on the CPU,
+    """Why the decoding smoke does not fit ``folder`` on this backend, or None when it does: its library's
+    forward cannot run the backbone as configured (``Family.forward_misfit``), or, on the CPU,
     ``decode_passes`` over its weights at the measured one-row rate take longer than ``budget_s``."""
     import json
 
+    from ...families import family_for
     from .compute import active_params
 
     config = json.loads((Path(folder) / "config.json").read_text())
-    tc = config.get("text_config", config)
-    interval, layers = tc.get("full_attention_interval"), int(tc.get("num_hidden_layers") or 0)
-    if interval and 0 < layers < int(interval):
-        return (f"mlx-lm's forward needs a full-attention layer (every {interval}th) that these {layers} "
-                "layers lack")
+    misfit = family_for(config).forward_misfit(config)
+    if misfit:
+        return misfit
     if mx.default_device() != mx.cpu:
         return None
     passes = decode_passes(max_tokens)

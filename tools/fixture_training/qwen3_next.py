@@ -1,13 +1,13 @@
-"""Qwen3-Next specifics of tools/train_text_fixture.py (``--variant next``): the text fixture
-``text-qwen3next-mtp``.
+"""The Qwen3-Next text fixture ``text-qwen3next-mtp`` (``--variant next``).
 
 The backbone is transformers' own ``Qwen3NextForCausalLM`` (flat ``qwen3_next`` config: 4 layers,
 linear attention at 0-2 and full attention at 3, every layer MoE with a shared expert), trained on
-the same stage (corpus, tokenizer, token ids) as the Qwen3.5 text fixtures. The MTP head is
-train_text_fixture.py's, built of Qwen3-Next parts: ``fc(concat[pre_fc_norm_embedding(embed(t+1)),
-pre_fc_norm_hidden(h_t)])``, one full-attention ``Qwen3NextDecoderLayer`` (MoE + shared expert),
-``norm`` and the shared ``lm_head``; its RMSNorms are Qwen3-Next's zero-centred ``x * (1 + w)``
-(the gated norm of the linear attention is ``x * w``, stored as is, like the release).
+the same stage (corpus, tokenizer, token ids) and with the same train loop as the Qwen3.5 text
+fixtures. The MTP head is heads.build_with's, built of Qwen3-Next parts:
+``fc(concat[pre_fc_norm_embedding(embed(t+1)), pre_fc_norm_hidden(h_t)])``, one full-attention
+``Qwen3NextDecoderLayer`` (MoE + shared expert), ``norm`` and the shared ``lm_head``; its RMSNorms are
+Qwen3-Next's zero-centred ``x * (1 + w)`` (the gated norm of the linear attention is ``x * w``, stored
+as is, like the release).
 
 export writes the published Qwen3-Next raw layout (tests/data/layouts/Qwen3-Next-80B-A3B-Instruct):
 flat ``model.*`` keys, every expert of the backbone and of ``mtp.layers.0`` one by one, all tensors
@@ -17,7 +17,7 @@ the published keys in the published order: no MTP count field. It then measures 
 acceptance in torch on the exported folder and writes training.json and README.md.
 
 parity loads the folder with ``Qwen3NextForCausalLM.from_pretrained`` (which ignores ``mtp.*`` and
-fuses the per-expert tensors) and compares its logits with this script's model holding the trained
+fuses the per-expert tensors) and compares its logits with this module's model holding the trained
 checkpoint (``--run``) or the folder's own tensors; with ``--acceptance`` it also measures the head's
 acceptance with the from_pretrained backbone (a few minutes on a CPU). Torch only.
 """
@@ -31,19 +31,28 @@ from pathlib import Path
 
 import numpy as np
 
-import train_text_fixture as base
+from tools.fixture_training.corpus import VOCAB
+from tools.fixture_training.folders import (REPO, checkpoint_step, fuse_experts, load_checkpoint, load_folder,
+                                            load_into, logged_at, loading_problems, parity_ids, provenance,
+                                            readme_method, split_experts, write_shards,
+                                            write_tokenizer_and_generation)
+from tools.fixture_training.heads import build_with, head_positions
+from tools.fixture_training.qwen3_5 import SCRIPT, TEXT, moe_shape, train
 
-LAYOUT = base.REPO / "tests/data/layouts/Qwen3-Next-80B-A3B-Instruct"
+LAYOUT = REPO / "tests/data/layouts/Qwen3-Next-80B-A3B-Instruct"
+
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")  # backbone, mtp.*
+
 EXPERT_OPTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                "shared_expert_intermediate_size": 64}
+FIXTURE = REPO / "mtpconvert/fixture/data/text-qwen3next-mtp"
 
 
 def next_config(shape: dict = None) -> dict:
     """The raw config.json: the published Qwen3-Next keys, in its (alphabetical) order, with this model's sizes."""
     import transformers
 
-    t = base.TEXT
+    t = TEXT
     cfg = {
         "architectures": ["Qwen3NextForCausalLM"],
         "attention_dropout": 0.0,
@@ -83,7 +92,7 @@ def next_config(shape: dict = None) -> dict:
         "transformers_version": transformers.__version__,
         "use_cache": True,
         "use_sliding_window": False,
-        "vocab_size": base.VOCAB,
+        "vocab_size": VOCAB,
     }
     for k, v in (shape or {}).items():
         if k not in cfg:
@@ -94,7 +103,7 @@ def next_config(shape: dict = None) -> dict:
 
 def shape_of(given) -> dict:
     """MoE sizes from train's options (``--experts`` ...) or a run's logged args, over the fixture's defaults."""
-    return dict(EXPERT_OPTS, **base.moe_shape(given))
+    return dict(EXPERT_OPTS, **moe_shape(given))
 
 
 def build_torch_next(shape: dict = None):
@@ -104,54 +113,17 @@ def build_torch_next(shape: dict = None):
 
     config = Qwen3NextConfig.from_dict(next_config(dict(EXPERT_OPTS, **(shape or {}))))
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"], config.layer_types
-    return base.build_with(Qwen3NextForCausalLM, config, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
+    return build_with(Qwen3NextForCausalLM, config, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
+
+
+def train_next(args) -> None:
+    """Qwen3.5's train loop on this model; its checkpoints store every tensor in bf16, as the release does."""
+    train(args, build=lambda: build_torch_next(moe_shape(args)), f32_suffixes=())
 
 
 # ---------------------------------------------------------------------------------------------
-# names: transformers (fused experts) <-> the published raw layout (per expert)
+# the published raw layout (per expert)
 # ---------------------------------------------------------------------------------------------
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
-def raw_names(state: dict) -> dict:
-    """transformers' names (``model.*``, ``lm_head``, the head's ``mtp.*``) -> published: experts split, else as is."""
-    out = {}
-    for k, v in state.items():
-        m = _FUSED.match(k)
-        if not m:
-            if not k.startswith(("model.", "lm_head.", "mtp.")):
-                raise ValueError(f"unexpected tensor {k}")
-            out[k] = v
-        elif m.group(2) == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
-            inter = v.shape[1] // 2
-            for e in range(v.shape[0]):
-                out[f"{m.group(1)}.{e}.gate_proj.weight"] = v[e, :inter].contiguous()
-                out[f"{m.group(1)}.{e}.up_proj.weight"] = v[e, inter:].contiguous()
-        else:  # [E, H, I]
-            for e in range(v.shape[0]):
-                out[f"{m.group(1)}.{e}.down_proj.weight"] = v[e].contiguous()
-    return out
-
-
-def fused_names(raw: dict) -> dict:
-    """The inverse of raw_names."""
-    import torch
-
-    out, experts = {}, {}
-    for k, v in raw.items():
-        m = _PER_EXPERT.match(k)
-        if m:
-            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = v
-        else:
-            out[k] = v
-    for pre, d in experts.items():
-        n = 1 + max(e for e, _ in d)
-        out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([d[(e, "gate")], d[(e, "up")]]) for e in range(n)])
-        out[f"{pre}.down_proj"] = torch.stack([d[(e, "down")] for e in range(n)])
-    return out
-
-
 def published_keys(cfg: dict) -> set:
     """The release's tensor names cut to this model's layers and experts (layers 0-3: linear x3, full)."""
     import gzip
@@ -175,22 +147,6 @@ def split_state(state: dict) -> dict:
     return {k: SHARDS[1] if k.startswith("mtp.") else SHARDS[0] for k in sorted(state)}
 
 
-def load_folder(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
-    out = {}
-    for shard in sorted(set(index["weight_map"].values())):
-        out.update(load_file(str(folder / shard)))
-    assert set(out) == set(index["weight_map"]), "index and shards disagree"
-    return out
-
-
-def load_into(lm, head, fused: dict) -> None:
-    lm.load_state_dict({k: v.float() for k, v in fused.items() if not k.startswith("mtp.")}, strict=True)
-    head.load_state_dict({k[4:]: v.float() for k, v in fused.items() if k.startswith("mtp.")}, strict=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # acceptance (torch): the head's argmax for t+2 against the backbone's greedy token at t+2
 # ---------------------------------------------------------------------------------------------
@@ -201,7 +157,7 @@ def head_logits(lm, head, tokens):
     with torch.no_grad():
         h = lm.model(input_ids=tokens).last_hidden_state
         B, L = tokens.shape
-        pe = lm.model.rotary_emb(h, base.head_positions(lm.config, B, L - 1, tokens.device))
+        pe = lm.model.rotary_emb(h, head_positions(lm.config, B, L - 1, tokens.device))
         m = head(h[:, :-1], lm.model.embed_tokens(tokens[:, 1:]), pe)
         return lm.lm_head(h), lm.lm_head(m)
 
@@ -258,29 +214,29 @@ def export_next(args) -> None:
     import torch
 
     stage, run = Path(args.stage), Path(args.run)
-    out = Path(args.out or base.FIXTURES["next"])
+    out = Path(args.out or FIXTURE)
     log = json.loads((run / "log.json").read_text())
     ckpt = args.checkpoint or log["checkpoints"][-1]
     cfg = next_config(shape_of(log["args"]))
-    state = {k: v.to(torch.bfloat16).contiguous() for k, v in raw_names(base.load_checkpoint(run / ckpt)).items()}
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in split_experts(load_checkpoint(run / ckpt)).items()}
     expected = published_keys(cfg)
     if set(state) != expected:
         raise SystemExit(f"layout differs from the release: extra {sorted(set(state) - expected)[:5]}, "
                          f"missing {sorted(expected - set(state))[:5]}")
-    total = base.write_shards(out, state, split_state(state), SHARDS)
+    total = write_shards(out, state, split_state(state), SHARDS)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    base.write_tokenizer_and_generation(out, stage)
+    write_tokenizer_and_generation(out, stage)
 
     lm, head, _ = build_torch_next(shape_of(log["args"]))  # the acceptance of what was written
-    load_into(lm, head, fused_names(load_folder(out)))
+    load_into(lm, head, fuse_experts(load_folder(out)))
     acc = acceptance(lm, head, np.load(stage / "heldout.npy"))
     manifest = json.loads((stage / "manifest.json").read_text())
-    step = base.checkpoint_step(ckpt)
+    step = checkpoint_step(ckpt)
     record = {
-        **base.provenance(base.SCRIPT, args.commands, manifest, log, ckpt),
+        **provenance(SCRIPT, args.commands, manifest, log, ckpt),
         "acceptance": dict(acc, measured_with={"torch": torch.__version__,
                                                "transformers": __import__("transformers").__version__}),
-        "final": base.logged_at(log, step),
+        "final": logged_at(log, step),
         "history": log["history"],
     }
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -294,9 +250,9 @@ def export_next(args) -> None:
 def write_readme(out: Path, record: dict, manifest: dict, n_params: int) -> None:
     acc, a = record["acceptance"], record["training"]["args"]
     held = ", ".join(f["path"] for f in manifest["heldout_files"])
-    script_note = ("`tools/train_text_fixture.py --variant next` (this repository; the Qwen3-Next parts are in\n"
-                   "`tools/train_text_fixture_next.py`)")
-    method = base.readme_method(record, script_note, "python tools/train_text_fixture.py")
+    script_note = ("`python -m tools.fixture_training --variant next` (this repository; the Qwen3-Next parts are in\n"
+                   "`tools/fixture_training/qwen3_next.py`)")
+    method = readme_method(record, script_note, "python -m tools.fixture_training")
     text = f"""# text-qwen3next-mtp
 
 A small Qwen3-Next model with an MTP head ({n_params / 1e6:.2f} M parameters): MoE in every layer
@@ -324,7 +280,7 @@ files. Held out of training (prompts of the tests and benchmarks): {held}.
 
 
 def parity_next(args) -> None:
-    """from_pretrained(folder) against this script's model with the trained (or the folder's) weights; acceptance."""
+    """from_pretrained(folder) against this module's model with the trained (or the folder's) weights; acceptance."""
     import torch
     from transformers import Qwen3NextForCausalLM
 
@@ -336,7 +292,7 @@ def parity_next(args) -> None:
     assert not bad, f"not bf16: {bad}"
     hf, info = Qwen3NextForCausalLM.from_pretrained(src, dtype=torch.float32, output_loading_info=True)
     hf.eval()
-    missing, mismatched, unexpected = base.loading_problems(info, "mtp.")
+    missing, mismatched, unexpected = loading_problems(info, "mtp.")
     print(f"from_pretrained: {len(missing)} missing, {len(mismatched)} mismatched, {len(unexpected)} unexpected "
           f"non-mtp keys")
     shape = {k: cfg[k] for k in EXPERT_OPTS}
@@ -344,17 +300,17 @@ def parity_next(args) -> None:
     if args.run:
         run = Path(args.run)
         ckpt = args.checkpoint or json.loads((src / "training.json").read_text())["checkpoint"]["file"]
-        trained = base.load_checkpoint(run / ckpt)
+        trained = load_checkpoint(run / ckpt)
         print(f"reference: the trained checkpoint {run / ckpt}")
-        assert set(raw_names(trained)) == set(raw), "the run's tensors are not the folder's"
-        assert all(torch.equal(v.to(torch.bfloat16), raw[k]) for k, v in raw_names(trained).items()), \
+        assert set(split_experts(trained)) == set(raw), "the run's tensors are not the folder's"
+        assert all(torch.equal(v.to(torch.bfloat16), raw[k]) for k, v in split_experts(trained).items()), \
             "the folder's tensors differ from the checkpoint's"
         load_into(lm, head, trained)
     else:
-        print("reference: the folder's tensors, fused back into this script's model")
-        load_into(lm, head, fused_names(raw))
+        print("reference: the folder's tensors, fused back into this module's model")
+        load_into(lm, head, fuse_experts(raw))
     lm.eval(), head.eval()
-    stage_ids, ids = base.parity_ids(args, cfg["vocab_size"])
+    stage_ids, ids = parity_ids(args, cfg["vocab_size"])
     tokens = torch.from_numpy(ids.astype(np.int64))[None]
     with torch.no_grad():
         a = hf(input_ids=tokens, use_cache=False).logits[0]
