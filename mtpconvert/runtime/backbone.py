@@ -3,7 +3,10 @@
 Decoding, the smokes, the layerwise check and the batched engine need a few things of a model: its
 input embedding, its layers and which of them keep recurrent state, the final norm, the output
 projection, its caches (the library's own, undoable ones, per-row ones), the mask each layer kind
-takes, a new empty layer, and a head of the family's design. ``Backbone`` names them by role. Each
+takes, a new empty layer, and a head of the family's design. ``Backbone`` names them by role. A token
+goes ``embed`` -> ``lift`` (the first layer's input) -> ``run_layer`` for each layer -> ``close`` (the
+*hidden* state: what the head reads and ``logits`` takes) -> ``readout`` (what the output projection
+reads) -> ``project``; ``forward`` runs the same over a cache in one call. Each
 family subclasses it in ``families/<name>/backbone.py`` for the model its library builds (mlx-lm's or
 mlx-vlm's), so nothing outside the family reaches into a model's attributes or guesses by them.
 
@@ -102,13 +105,34 @@ class Backbone:
         return False
 
     def embed(self, tokens: mx.array) -> mx.array:
+        """The token embedding, as the head reads it too."""
         return self.embed_tokens(tokens)
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        """Logits of post-norm states."""
+    def lift(self, embedded: mx.array) -> mx.array:
+        """The first layer's input from the token embedding."""
+        return embedded
+
+    def run_layer(self, layer: nn.Module, x: mx.array, tokens: mx.array, cache=None) -> mx.array:
+        """One layer over ``x`` (the states of ``tokens``), as the model's own forward runs it."""
+        return layer(x, mask=self.layer_mask(layer, x), cache=cache)
+
+    def close(self, x: mx.array) -> mx.array:
+        """The hidden state from the last layer's output: the final norm."""
+        return self.norm(x)
+
+    def readout(self, hidden: mx.array) -> mx.array:
+        """What the output projection reads of a hidden state."""
+        return hidden
+
+    def project(self, z: mx.array) -> mx.array:
+        """The output projection (the tied embedding's transpose where there is no lm_head)."""
         if self.tied:
-            return self.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+            return self.embed_tokens.as_linear(z)
+        return self.lm_head(z)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Logits of hidden states (``close``'s, ``forward``'s second)."""
+        return self.project(self.readout(hidden))
 
     def __call__(self, tokens: mx.array, cache: Optional[list] = None) -> mx.array:
         """The library's own forward: logits of every position."""

@@ -283,7 +283,7 @@ class BatchedMTP:
         for j in range(k):
             if j:
                 x = m.head(x, m.embed(cols[-1][:, None]), self.head_cache)
-            draft_logits = m.logits(x)[:, -1]  # [B, V]
+            draft_logits = m.draft_logits(x)[:, -1]  # [B, V]
             if batched:
                 cols.append(mx.argmax(draft_logits, axis=-1))
                 continue

@@ -48,6 +48,10 @@ class MTPHead(nn.Module):
     def make_cache(self) -> List[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    def readout(self, state: mx.array) -> mx.array:
+        """What the output projection reads of a head state: the state itself (``norm`` is already applied)."""
+        return state
+
     def __call__(
         self,
         hidden: mx.array,
@@ -105,6 +109,10 @@ class NextNHead(nn.Module):
 
     def make_cache(self) -> list:
         return [self._new_cache()]
+
+    def readout(self, state: mx.array) -> mx.array:
+        """What the output projection reads of a head state: the state itself (``shared_head_norm`` is applied)."""
+        return state
 
     def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: Optional[list] = None,
                  step: int = 0) -> mx.array:

@@ -52,8 +52,8 @@ class MTPModel:
     def draft_logits(self, state: mx.array) -> mx.array:
         """Logits of a head state: through the head's own output projection where it has one."""
         if "shared_head" in self.head:
-            return self.head.shared_head.head(state)
-        return self.logits(state)
+            return self.head.shared_head.head(self.head.readout(state))
+        return self.backbone.project(self.head.readout(state))
 
     def logits(self, hidden: mx.array) -> mx.array:
         return self.backbone.logits(hidden)

@@ -244,7 +244,7 @@ def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int =
     def head():
         x = m.head(h_last, e_last, head_cache)
         head_cache[0].trim(1)
-        return m.logits(x)
+        return m.draft_logits(x)
 
     t_verify = timed(verify, n)
     t_undo = max(0.0, timed(verify_reject, n) - t_verify)

@@ -279,16 +279,21 @@ def _run_lm_head_blocks(folder: _Folder, states: List[List[mx.array]], exact: bo
 
 def _load_layer(folder: _Folder, i: int) -> nn.Module:
     """Decoder layer i: the library's class, quantized as load_model would, filled with its tensors only."""
-    prefix = folder.paths.layer(i) + "."
-    layer = folder.shell.new_layer(i)
+    return _load_module(folder, folder.paths.layer(i), folder.shell.new_layer(i))
+
+
+def _load_module(folder: _Folder, path: str, module: nn.Module) -> nn.Module:
+    """``module`` (an empty one of the library's class) filled with the tensors stored under ``path``, quantized
+    as load_model would."""
+    prefix = path + "."
     weights = {k: folder.weights.pop(k) for k in [k for k in folder.weights if k.startswith(prefix)]}
-    _quantize(layer, (prefix,), folder.quant, weights)
-    layer.load_weights([(k[len(prefix):], v) for k, v in weights.items()], strict=True)
+    _quantize(module, (prefix,), folder.quant, weights)
+    module.load_weights([(k[len(prefix):], v) for k, v in weights.items()], strict=True)
     del weights  # the module now holds the only references
-    mx.eval(layer.parameters())
-    folder.read_bytes += sum(folder.infos[k].nbytes for k in folder._module_keys(prefix[:-1]))
-    layer.eval()
-    return layer
+    mx.eval(module.parameters())
+    folder.read_bytes += sum(folder.infos[k].nbytes for k in folder._module_keys(path))
+    module.eval()
+    return module
 
 
 def _load_head(folder: _Folder, head_tensors: HeadTensors) -> nn.Module:

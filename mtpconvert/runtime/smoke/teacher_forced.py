@@ -24,7 +24,7 @@ from ..decoding.locate import HeadTensors
 from .compute import _finish_layer, fast_float_dtype
 from .floors import LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from .mlp_gain import PairedGain, matches, mlp_removed, paired_gain
-from .shards import _Embedding, _Folder, _load_head, _load_layer, _param_bytes, _run_lm_head_blocks
+from .shards import _Embedding, _Folder, _load_head, _load_layer, _load_module, _param_bytes, _run_lm_head_blocks
 
 # lm_head rows read per block: bounded in stored bytes (and again after dequantization).
 DEFAULT_VOCAB_BLOCK_BYTES = 128 << 20
@@ -175,7 +175,7 @@ class TeacherForcedPass:
         t0 = time.perf_counter()
         self.progress("embedding rows")
         emb = _Embedding(self.folder, self.token_ids)
-        xs = [emb(ids) for ids in self.token_ids]
+        xs = [self.folder.shell.lift(emb(ids)) for ids in self.token_ids]
         nexts = [emb(ids[1:]) for ids in self.token_ids]
         dtype = xs[0].dtype
         if not self.exact:
@@ -197,8 +197,8 @@ class TeacherForcedPass:
         layer = _load_layer(self.folder, i)
         _finish_layer(layer, self.exact, self.dtype)
         self.result.stages.append((f"layer {i}", _param_bytes(layer)))
-        for p, x in enumerate(self.xs):
-            self.xs[p] = layer(x, mask=self.folder.shell.layer_mask(layer, x), cache=None)
+        for p, (x, ids) in enumerate(zip(self.xs, self.token_ids)):
+            self.xs[p] = self.folder.shell.run_layer(layer, x, mx.array([list(ids)]))
             mx.eval(self.xs[p])
         del layer
         gc.collect()
@@ -207,17 +207,19 @@ class TeacherForcedPass:
         self.result.seconds += time.perf_counter() - t0
 
     def finish(self, head_tensors: HeadTensors, vocab_block_bytes: int = DEFAULT_VOCAB_BLOCK_BYTES) -> LayerwiseResult:
-        """The final norm, the head over every position, then lm_head's running argmax; the result."""
+        """The final norm (``close``), the head over every position, then lm_head's running argmax over what
+        the output projection reads of each (``readout``); the result."""
         t0 = time.perf_counter()
         folder, result = self.folder, self.result
         if self.next_layer != self.layers:
             raise LayoutError(f"layer {self.next_layer} of {self.layers} was never run: its tensors are missing",
                               file=folder.path)
         result.head_source = head_tensors.source
-        norm = folder.shell.norm
-        norm.load_weights([("weight", folder.weights.pop(folder.paths.norm + ".weight"))], strict=True)
-        hs = [norm(x) for x in self.xs]
-        mx.eval(hs)
+        final = _load_module(folder, folder.paths.norm, folder.shell.norm)
+        _finish_layer(final, self.exact, self.dtype)
+        hs = [folder.shell.close(x) for x in self.xs]
+        outs = [folder.shell.readout(h) for h in hs]
+        mx.eval(hs, outs)
 
         self.progress("MTP head")
         vocab = folder.add_head_vocab(head_tensors)
@@ -233,17 +235,18 @@ class TeacherForcedPass:
         feed = hs if self.hidden == "post-norm" else self.xs
         states = []
         for p in range(len(self.token_ids)):
-            states.append(head_states(head, feed[p][:, :-1], self.nexts[p]))
-        del head, feed
+            states.append(tuple(head.readout(s) for s in head_states(head, feed[p][:, :-1], self.nexts[p])))
+        mx.eval(states)
+        del head, feed, final
         self.xs = self.nexts = None
         gc.collect()
         mx.clear_cache()
 
         if vocab is None:
-            ids, block = _run_lm_head_blocks(folder, [[h, *s] for h, s in zip(hs, states)], self.exact, self.dtype,
+            ids, block = _run_lm_head_blocks(folder, [[z, *s] for z, s in zip(outs, states)], self.exact, self.dtype,
                                              vocab_block_bytes, self.progress)
         else:  # the backbone's states through lm_head, the head's through its own shared_head.head
-            bb, block = _run_lm_head_blocks(folder, [[h] for h in hs], self.exact, self.dtype, vocab_block_bytes,
+            bb, block = _run_lm_head_blocks(folder, [[z] for z in outs], self.exact, self.dtype, vocab_block_bytes,
                                             self.progress)
             hd, head_block = _run_lm_head_blocks(folder, [list(s) for s in states], self.exact, self.dtype,
                                                  vocab_block_bytes, self.progress, stem=vocab[1])
@@ -281,10 +284,10 @@ def teacher_forced_full(m, token_ids: Sequence[Sequence[int]], hidden: str = "po
         if len(ids) < 2:
             continue
         tokens = mx.array([list(ids)])
-        x = backbone.embed(tokens)
+        x = backbone.lift(backbone.embed(tokens))
         for layer in backbone.layers:  # the model's own forward without the final norm
-            x = layer(x, mask=backbone.layer_mask(layer, x), cache=None)
-        h = backbone.norm(x)
+            x = backbone.run_layer(layer, x, tokens)
+        h = backbone.close(x)
         feed = h if hidden == "post-norm" else x
         s, s0 = head_states(m.head, feed[:, :-1], m.embed(tokens[:, 1:]))
         bb = mx.argmax(m.logits(h), axis=-1).reshape(-1).tolist()[1:]
