@@ -210,8 +210,12 @@ def concurrency_table(result, console: Console) -> None:
 
 
 def _shift_label(plan) -> str:
-    if plan.raw:
+    from ..plan.steps import ShiftNorm
+
+    if any(isinstance(step, ShiftNorm) for item in plan.items for step in item.steps):
         return "yes (raw source)"
+    if plan.raw and plan.family.head.norms_zero_centred:
+        return "no (zero-centred: the runtime adds 1)"
     return "no (already MLX)" if plan.family.head.norms_zero_centred else "no (plain RMSNorm gains)"
 
 

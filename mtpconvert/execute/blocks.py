@@ -146,7 +146,7 @@ def quantized_in_numpy(item: PlanItem) -> bool:
     read straight from the files. The bytes are those of ``mx.quantize``; the CPU backend
     uses it because MLX's CPU kernel is the conversion's bottleneck."""
     q = item.quant
-    return (q is not None and item.gather in NUMPY_GATHERS and (is_block_fp8(item) or not is_fp8(item))
+    return (q is not None and item.gather in NUMPY_GATHERS
             and all(isinstance(step, NUMPY_STEPS) for step in item.steps)
             and len({s.dtype for s in item.sources}) == 1
             and npquant.supports(item.sources[0].dtype, item.dtype, q.bits, q.group_size, q.mode))

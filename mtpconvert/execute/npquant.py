@@ -328,13 +328,16 @@ E4M3 = e4m3_table()
 
 def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_offset: int,
                    target_dtype: str) -> Optional[np.ndarray]:
-    """``e4m3(codes) * scale`` per 128x128 block of the last two axes, stored as ``target_dtype``: the
-    float32 products ``execute.ops.dequant_fp8`` computes, rounded as MLX's cast rounds them. A band
-    of 128 rows is one lookup in the tables of its blocks' values (256 per block, side by side),
-    indexed by code + 256 * column block: two passes over the codes, no float32 copy of them."""
+    """``e4m3(codes) * scale`` per 128x128 block of the last two axes (a scale of fewer than two axes: one value
+    for every code), stored as ``target_dtype``: the float32 products ``execute.ops.dequant_fp8`` computes,
+    rounded as MLX's cast rounds them. A band of 128 rows is one lookup in the tables of its blocks' values (256
+    per block, side by side), indexed by code + 256 * column block: two passes over the codes, no float32 copy
+    of them."""
     scale = _as_float32_rows(scale, scale_dtype, np.empty(scale.shape, np.float32))
     if not np.isfinite(scale).all():
         return None
+    if scale.ndim < 2:  # one scale for the tensor: one table of 256 values
+        return np.take(_store(E4M3 * scale.reshape(()), target_dtype), codes)
     out = np.empty(codes.shape, STORED[target_dtype])
     rows, cols = codes.shape[-2:]
     table_of_column = (np.arange(cols) // FP8_BLOCK * 256).astype(np.uint16 if cols <= 32768 else np.uint32)

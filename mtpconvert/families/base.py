@@ -192,6 +192,10 @@ class ModulePaths:
         return "other"
 
 
+# backbone library -> the package extra that installs it
+EXTRAS = {"mlx-vlm": "vlm"}
+
+
 def resolve(reference: str):
     """The object a ``"package.module:attribute"`` reference names, importing its module."""
     module, _, attribute = reference.partition(":")
@@ -266,8 +270,16 @@ class Family:
         return 0
 
     def backbone_class(self):
-        """The family's ``runtime.backbone.Backbone`` subclass (imports the runtime stack)."""
-        return resolve(self.backbone)
+        """The family's ``runtime.backbone.Backbone`` subclass (imports the runtime stack; a backbone library that
+        is an optional extra, mlx-vlm, is named when it is missing)."""
+        package = self.backbone_library.replace("-", "_")
+        try:
+            return resolve(self.backbone)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] != package:
+                raise
+            raise ConfigError(f"the {self.name} backbone runs in {self.backbone_library}, which is not installed",
+                              hint=f"pip install 'mtpconvert[{EXTRAS.get(self.backbone_library, package)}]'") from None
 
     def runtime_rows(self, folder, layout: str) -> dict:
         """Each runtime's row for a folder of this family (``compat``)."""

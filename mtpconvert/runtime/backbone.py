@@ -163,6 +163,12 @@ class Backbone:
         (``runtime.decoding.rollback``)."""
         raise NotImplementedError
 
+    def rollback(self, cache: list, keep: int, length: int) -> None:
+        """Keep the first ``keep`` tokens of the last ``length``-token pass in every cache of ``rollback_cache``."""
+        from .decoding.rollback import rollback
+
+        rollback(cache, keep, length)
+
     def row_cache(self, max_pass: int, rows: int) -> list:
         """Caches for ``rows`` rows of the batched engine, each of its own length (``runtime.decoding.rowcache``)."""
         raise ValueError(f"batched MTP decoding does not run the {self.family.name} backbone")

@@ -37,7 +37,7 @@ from mlx_lm.models.cache import CacheList
 
 from .load import MTPModel
 from . import cuda_qmv
-from .rollback import RollbackArraysCache, rollback
+from .rollback import RollbackArraysCache
 from .sampling import Sampling, accept_drafts, categorical
 
 
@@ -230,7 +230,7 @@ def mtp_generate(
         a = int(n_acc.item())
         new = draft_arr[:a].tolist() + [int(next_tokens[a].item())]
         # 4. undo the rejected tail and the chained head entries
-        rollback(cache, keep=a + 1, length=depth + 1)
+        m.backbone.rollback(cache, keep=a + 1, length=depth + 1)
         if overlap and a < depth:
             mx.async_eval(linear_states(cache))
         if depth > 1:

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from ..smoke.decode import Divergence, divergence, encode_prompts
 from ..decoding.load import MTPModel, load
-from ..decoding.rollback import RollbackArraysCache, rollback
+from ..decoding.rollback import RollbackArraysCache
 from ..decoding.sampling import Sampling
 from ..decoding.speculative import DecodeStats, mtp_generate, plain_generate
 from .baseline import DECODER, mlx_lm_generate
@@ -231,7 +231,7 @@ def measure_step_costs(m: MTPModel, context: Sequence[int], depth: int, n: int =
 
     def verify_reject():  # keep 1 of depth+1: the largest undo
         logits = m.logits(m.backbone.forward(verify_in, cache)[1])
-        rollback(cache, keep=1, length=depth + 1)
+        m.backbone.rollback(cache, keep=1, length=depth + 1)
         out = [logits] + [c[1] for c in cache if isinstance(c, RollbackArraysCache)]
         mx.eval(out)
         restore(1)

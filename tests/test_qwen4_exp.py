@@ -1,0 +1,200 @@
+"""Qwen3.8-Flash-Next (``qwen4_exp``): tiny releases made with transformers' own classes (``tests.checkpoints_qwen4_exp``)
+converted, then checked against the consumers: mlx-vlm 0.7.10 loads the backbone and matches transformers'
+float32 logits, its own splitter makes of the raw source exactly the head the folder holds, its drafter loads
+``OUT/mtp`` strictly and MTP-decodes equal to plain greedy, and the FP8 release converts to what its exact
+dequantization converts to."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from mtpconvert import api
+from mtpconvert.gate import Gate
+from mtpconvert.options import ConvertOptions, QuantOptions
+from tests.checkpoints_qwen4_exp import build, reference_logits
+
+mlx_vlm = pytest.importorskip("mlx_vlm", reason="the qwen4_exp backbone runs in mlx-vlm (pip install mtpconvert[vlm])")
+
+IDS = [5, 17, 1, 42, 99, 7, 3, 200, 11, 64, 13, 8, 77, 21]
+NO_CHECKS = Gate(verify=True, smoke=False)
+OPTIONS = {
+    "float32": ConvertOptions(dtype="float32"),
+    "q4": ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32)),
+    "q4-match": ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32, mtp="match")),
+}
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen4_exp")
+    # the fused release is the per-expert one's model (same seed) with its experts fused
+    return {"per-expert": build(root / "per-expert"), "fused": build(root / "fused", experts="fused"),
+            "fp8": build(root / "fp8", seed=2, fp8=True)}
+
+
+@pytest.fixture(scope="module")
+def converted(releases, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen4_exp_out")
+    out = {}
+    for name, built in releases.items():
+        for option, opts in OPTIONS.items():
+            if name == "fused" and option != "float32":
+                continue
+            out[name, option] = api.convert(built.path, root / f"{name}-{option}", opts, checks=NO_CHECKS).out
+    for option in ("float32", "q4"):
+        out["fp8-dequantized", option] = api.convert(releases["fp8"].reference, root / f"deq-{option}",
+                                                     OPTIONS[option], checks=NO_CHECKS).out
+    return out
+
+
+def vlm_model(path: Path):
+    from mlx_vlm.utils import load_model
+
+    return load_model(Path(path))
+
+
+def vlm_logits(model, ids) -> np.ndarray:
+    out = model.language_model(mx.array([ids]))
+    return np.array(getattr(out, "logits", out))
+
+
+def test_mlx_vlm_loads_the_backbone_and_matches_transformers(releases, converted):
+    reference, _, _ = reference_logits(releases["per-expert"], torch.tensor([IDS]))
+    logits = vlm_logits(vlm_model(converted["per-expert", "float32"]), IDS)
+    assert np.abs(logits - reference).max() < 1e-4
+    assert (logits.argmax(-1) == reference.argmax(-1)).all()
+
+
+def test_fused_experts_convert_to_the_per_expert_releases_bytes(converted):
+    """``experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``experts.down_proj``, backbone and head: the same
+    stacked ``switch_mlp`` tensors as the per-expert form of the same model."""
+    from tests.checkpoints import tree_digest
+
+    a, b = (converted[name, "float32"] for name in ("per-expert", "fused"))
+    index = "model.safetensors.index.json"  # its metadata records the source folder's name
+    assert {k: v for k, v in tree_digest(a).items() if k != index} == {k: v for k, v in tree_digest(b).items()
+                                                                        if k != index}
+    assert json.loads((a / index).read_text())["weight_map"] == json.loads((b / index).read_text())["weight_map"]
+
+
+def test_the_4bit_backbone_loads_and_stays_near_the_float_one(converted):
+    reference = vlm_logits(vlm_model(converted["per-expert", "float32"]), IDS)
+    logits = vlm_logits(vlm_model(converted["per-expert", "q4"]), IDS)
+    config = json.loads((converted["per-expert", "q4"] / "config.json").read_text())
+    shards = [k for k in config["quantization"] if "ngram_embedding.shards" in k]
+    # the n-gram rows (32 wide) take group 32 beside the backbone's 32 here, and are listed where they differ
+    assert np.isfinite(logits).all() and np.corrcoef(logits.ravel(), reference.ravel())[0, 1] > 0.95
+    assert all(config["quantization"][k] != {"bits": 4, "group_size": 32, "mode": "affine"} for k in shards)
+
+
+def test_the_norms_stay_zero_centred_and_a_shifted_one_is_caught(releases, converted, tmp_path):
+    """mlx-vlm adds 1 to every qwen4_exp RMSNorm when it runs: the folder keeps the release's values, and a
+    conversion that shifted them (as Qwen3.5's must) would give other logits."""
+    from safetensors.numpy import load_file, save_file
+
+    out = converted["per-expert", "float32"]
+    raw = releases["per-expert"].tensors
+    stored = {}
+    for f in sorted(out.glob("model-*.safetensors")):
+        stored.update(load_file(str(f)))
+    norm = "language_model.model.layers.0.attn_hyper_connection.hc_norm.weight"
+    assert np.array_equal(stored[norm], raw["model.language_model.layers.0.attn_hyper_connection.hc_norm.weight"]
+                          .numpy())
+    broken = tmp_path / "shifted"
+    shutil.copytree(out, broken)
+    for f in sorted(broken.glob("model-*.safetensors")):
+        tensors = load_file(str(f))
+        tensors = {k: (v + 1 if k.endswith("norm.weight") and v.ndim == 1 else v) for k, v in tensors.items()}
+        save_file(tensors, str(f), metadata={"format": "mlx"})
+    reference, _, _ = reference_logits(releases["per-expert"], torch.tensor([IDS]))
+    assert np.abs(vlm_logits(vlm_model(broken), IDS) - reference).max() > 1e-2
+
+
+def _drafter_parameters(model) -> dict:
+    from mlx.utils import tree_flatten
+
+    return {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+
+@pytest.mark.parametrize("name", ["per-expert", "fused"])
+def test_the_head_is_what_mlx_vlms_splitter_makes_of_the_raw_source(releases, converted, name):
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    ours, _ = load_drafter(str(converted[name, "float32"] / "mtp"), kind="mtp")
+    theirs, _ = load_drafter(str(releases[name].path), kind="mtp")
+    mine, reference = _drafter_parameters(ours), _drafter_parameters(theirs)
+    assert sorted(mine) == sorted(reference)
+    assert all(np.array_equal(mine[k], reference[k]) for k in mine)
+
+
+@pytest.mark.parametrize("route", ["mtp", "root"])
+@pytest.mark.parametrize("option", ["float32", "q4", "q4-match"])
+def test_mlx_vlm_drafts_with_the_folder_equal_to_plain_greedy(converted, route, option):
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    out = converted["per-expert", option]
+    model = vlm_model(out)
+    drafter, kind = load_drafter(str(out / "mtp" if route == "mtp" else out), kind="mtp")
+    prompt = mx.array([IDS])
+    drafted = [int(t) for t, _ in generate_step(prompt, model, None, None, max_tokens=24, temperature=0.0,
+                                                 draft_model=drafter, draft_kind=kind)]
+    plain = [int(t) for t, _ in generate_step(prompt, model, None, None, max_tokens=24, temperature=0.0)]
+    assert drafter.draft_lens, "mlx-vlm fell back to plain decoding: the drafter did not run"
+    assert drafted == plain
+
+
+@pytest.mark.parametrize("option", ["float32", "q4"])
+def test_the_fp8_release_converts_to_what_its_exact_dequantization_converts_to(converted, option):
+    """Experts in 128x128-block FP8, n-gram tables under one per-tensor scale: the output is byte for byte the
+    conversion of the same codes dequantized in float32 beforehand."""
+    from safetensors.numpy import load_file
+
+    fp8, reference = converted["fp8", option], converted["fp8-dequantized", option]
+    for name in ["mtp.safetensors"] + sorted(p.name for p in reference.glob("model-*.safetensors")):
+        a, b = load_file(str(fp8 / name)), load_file(str(reference / name))
+        assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a), name
+
+
+def test_the_fp8_plan_reads_every_scale(releases):
+    plan = api.plan(releases["fp8"].path, OPTIONS["float32"])
+    scaled = {it.name: it for it in plan.items if it.sources[0].scale is not None}
+    table = [n for n in scaled if ".ngram_embedding.shards." in n]
+    experts = [n for n in scaled if ".switch_mlp." in n]
+    assert table and all(scaled[n].sources[0].scale.key.endswith("ngram_embedding.weight_scale") for n in table)
+    assert experts and all(s.scale.key.endswith("weight_scale_inv") for n in experts for s in scaled[n].sources)
+    assert {step.label for n in table for step in scaled[n].steps} >= {"dequant:fp8e4m3/tensor"}
+    buffers = [it for it in plan.items if it.slot.kind == "buffer"]
+    assert buffers and all(it.dtype == "int64" and it.quant is None for it in buffers)
+
+
+def test_verify_accepts_source_and_output_and_says_which_runtimes_use_it(releases, converted):
+    for folder in (releases["per-expert"].path, releases["fp8"].path, converted["per-expert", "q4"]):
+        report = api.verify(folder)
+        assert report.ok, [f for f in report.findings if f.severity == "error"]
+    rows = {r.runtime: r for r in api.verify(converted["per-expert", "q4"]).runtimes}
+    assert rows["mlx-vlm"].backbone_exact.ok and rows["mlx-vlm-drafter"].head_usable.ok
+    assert rows["mlx-vlm"].head_usable.ok  # --draft-model OUT: the splitter finds the head at the root
+    for runtime in ("mlx-lm>=0.32", "mtplx", "rapid-mlx", "vllm-mlx"):
+        assert rows[runtime].backbone_exact.ok is False and not rows[runtime].head_usable.ok
+        assert "qwen4_exp" in rows[runtime].backbone_exact.reason
+
+
+def test_stock_mlx_lm_refuses_the_folder_by_name(converted):
+    from mlx_lm.utils import load_model
+
+    with pytest.raises(ValueError, match="qwen4_exp"):
+        load_model(converted["per-expert", "float32"])
+
+
+def test_families_lists_qwen4_exp():
+    (family,) = [f for f in api.families() if f["family"] == "qwen4_exp"]
+    assert family["backbone_library"] == "mlx-vlm" and family["backbone_modules"] == ["mlx_vlm.models.qwen4_exp"]
+    assert set(family["head_runtimes"]) == {"mlx-vlm", "mlx-vlm-drafter"}
