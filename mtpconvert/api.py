@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence, Union
 from .gate import GateRecord, Gate, run_gate
 from .errors import ConvertError, Kept, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
-from .options import ConvertOptions
+from .options import ConvertOptions, ExecuteOptions
 from .plan import Plan, PlanItem, build_plan
 from .provenance import conversion_record
 
@@ -113,9 +113,9 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Gate, overwrit
             after_checks(folder, record)
 
     try:
-        done = execute(plan_, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
-                       progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream,
-                       sink=publisher)
+        written = ExecuteOptions(overwrite=overwrite, resume=resume, extra_metadata=extra_metadata)
+        done = execute(plan_, ckpt, out, written, progress=lambda item, _i: events.item(item), check=check,
+                       stream=stream, sink=publisher)
     except KeyboardInterrupt as e:
         raise _interrupted(out, _kept(e, record)) from None
     except BaseException as e:

@@ -75,3 +75,21 @@ class ConvertOptions:
     keep_vision: bool = False
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     mtp_layout: str = "sidecar"
+
+
+@dataclass(frozen=True)
+class ExecuteOptions:
+    """How ``execute`` writes OUT: whether an existing OUT is replaced, whether shards an interrupted run of
+    the same plan finished are reused, what the index records beside the plan, and the pipeline's sizes (the
+    bytes written do not depend on ``workers`` or ``block_bytes``: tests and benchmarks vary them)."""
+
+    overwrite: bool = False
+    resume: bool = False
+    extra_metadata: Optional[dict] = None  # entries of the index's metadata.mtpconvert beside the plan's
+    workers: Optional[int] = None  # MLX CPU streams; None: one per core, at most 8
+    block_bytes: Optional[int] = None  # a block's source bytes at most (one row at least); None: the default
+
+    def __post_init__(self):
+        for name, value in (("workers", self.workers), ("block_bytes", self.block_bytes)):
+            if value is not None and value < 1:
+                raise OptionsError(f"{name} must be 1 or more, not {value!r}")
