@@ -2,11 +2,12 @@
 (``mtpconvert.options``) that check themselves when made: the CLI parses text into them.
 
     from mtpconvert import api
-    from mtpconvert.options import ConvertOptions, PublishOptions, QuantOptions, RawPolicy
+    from mtpconvert.options import BenchOptions, ConvertOptions, PublishOptions, QuantOptions, RawPolicy
 
     result = api.convert("Qwen3.5-27B", "out", ConvertOptions(quant=QuantOptions(bits=4)))
     report = api.verify("out")
     smoke = api.smoke("out")
+    bench = api.bench("out", BenchOptions(depths=(1, 2)))
     pulled = api.pull_and_convert("Qwen/Qwen3.5-27B", None, ConvertOptions(quant=QuantOptions(bits=4)),
                                   raw=RawPolicy(stream=True), publish=PublishOptions("me/Qwen3.5-27B-4bit-mtp"))
 
@@ -25,7 +26,8 @@ from typing import Callable, List, Optional, Sequence, Union
 from .gate import GateRecord, Gate, run_gate
 from .errors import ConvertError, Kept, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
-from .options import ConvertOptions, ExecuteOptions, HubSource, PublishOptions, RawPolicy
+from .options import (BenchOptions, ConvertOptions, ExecuteOptions, HubSource, PublishOptions, RawPolicy,
+                      checked_prompts)
 from .plan import Plan, PlanItem, build_plan
 from .provenance import conversion_record
 
@@ -375,62 +377,58 @@ def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
     from .runtime.smoke.decode import smoke as run
 
+    checked_prompts(prompts)
     _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, hidden, Gate(min_acceptance=min_acceptance).floor_for("full"))
 
 
-def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
-          depths: Sequence[int] = (1,), hiddens: Sequence[str] = ("post-norm", "pre-norm"), sampling=None,
-          seed: int = 0, on_tokens: Optional[Callable[[int], None]] = None,
-          concurrency: Optional[Sequence[int]] = None, oracle: Sequence[float] = (), cuda_qmv: bool = False):
+def bench(path: PathLike, options: BenchOptions = BenchOptions(), *,
+          on_tokens: Optional[Callable[[int], None]] = None):
     """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs.
 
-    With ``concurrency`` (e.g. [1, 2, 4, 8]): batched MTP against mlx-lm's BatchGenerator at each
-    number of concurrent streams, for the first of ``hiddens``
-    (``runtime.measure.batch_bench.ConcurrencyResult``). ``oracle`` (acceptance rates P, greedy only):
+    With ``options.concurrency`` (e.g. (1, 2, 4, 8)): batched MTP against mlx-lm's BatchGenerator at each
+    number of concurrent streams, for the first of ``options.hiddens``
+    (``runtime.measure.batch_bench.ConcurrencyResult``). ``options.oracle`` (acceptance rates P, greedy only):
     every row runs once per P with each draft replaced by the true greedy token with probability P
     (``runtime.measure.oracle``; with ``concurrency`` each draft is kept with probability P instead:
-    ``oracle_batch.OracleConcurrencyResult``).
-    ``cuda_qmv``: on a CUDA device, the multi-row quantized matvec where it measures faster
-    (``runtime.decoding.cuda_qmv``)."""
+    ``oracle_batch.OracleConcurrencyResult``). ``options.cuda_qmv``: on a CUDA device, the multi-row
+    quantized matvec where it measures faster (``runtime.decoding.cuda_qmv``). ``on_tokens(n)``: n more
+    tokens decoded."""
     from .runtime.decoding.sampling import Sampling
     from .runtime.measure.bench import bench as run
 
-    if any(d < 1 for d in depths):
-        raise OptionsError("--depth must be >= 1")
-    if concurrency is not None and (not concurrency or any(c < 1 for c in concurrency)):
-        raise OptionsError("--concurrency must list stream counts >= 1, e.g. 1,2,4,8")
-    try:
-        sampling = sampling or Sampling()
-    except ValueError as e:
-        raise OptionsError(str(e)) from None
-    if oracle and (not sampling.greedy or any(not 0 <= p <= 1 for p in oracle)):
-        raise OptionsError("--oracle-acceptance takes rates in [0, 1] and needs greedy decoding (--temp 0)")
+    sampling = Sampling(options.temperature, options.top_p, options.top_k)
     _readable_shards(Path(path))
-    if concurrency is not None:
-        from .families import family_for
-        from .runtime.smoke.decode import encode_prompts
-        from .runtime.decoding.load import load
-        from .runtime.measure.batch_bench import bench_concurrency
-        from .runtime.measure.oracle_batch import bench_concurrency_oracle
+    if options.concurrency is not None:
+        return _bench_concurrency(Path(path), options, sampling, on_tokens)
+    return run(Path(path), options.prompts, options.max_tokens, options.depths, options.hiddens, sampling,
+               options.seed, on_tokens=on_tokens, oracle=options.oracle, cuda_qmv=options.cuda_qmv)
 
-        family = family_for(open_checkpoint(Path(path)).config)
-        if family.head.forward != "qwen3_5-mtp":
-            raise OptionsError(f"--concurrency: batched MTP runs the Qwen head design; a {family.name} folder "
-                               f"({family.head.forward} head) benches one stream at a time (leave --concurrency out)")
-        m = load(Path(path))
-        if cuda_qmv:
-            from .runtime.decoding import cuda_qmv as kernel
 
-            kernel.enable(m.model, m.head)
-        encoded = encode_prompts(Path(path), prompts)
-        if oracle:
-            return bench_concurrency_oracle(m, str(path), encoded, concurrency, oracle, max_tokens, depths, seed,
-                                            hiddens[0], on_tokens=on_tokens)
-        return bench_concurrency(m, str(path), encoded, concurrency, max_tokens, depths, sampling, seed, hiddens[0],
-                                 on_tokens=on_tokens)
-    return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens, oracle=oracle,
-               cuda_qmv=cuda_qmv)
+def _bench_concurrency(path: Path, options: BenchOptions, sampling, on_tokens):
+    """``bench`` at each of ``options.concurrency`` streams at once (Qwen's head design only)."""
+    from .families import family_for
+    from .runtime.decoding.load import load
+    from .runtime.measure.batch_bench import bench_concurrency
+    from .runtime.measure.oracle_batch import bench_concurrency_oracle
+    from .runtime.smoke.decode import encode_prompts
+
+    family = family_for(open_checkpoint(path).config)
+    if family.head.forward != "qwen3_5-mtp":
+        raise OptionsError(f"--concurrency: batched MTP runs the Qwen head design; a {family.name} folder "
+                           f"({family.head.forward} head) benches one stream at a time (leave --concurrency out)")
+    m = load(path)
+    if options.cuda_qmv:
+        from .runtime.decoding import cuda_qmv as kernel
+
+        kernel.enable(m.model, m.head)
+    encoded = encode_prompts(path, options.prompts)
+    hidden = options.hiddens[0]
+    if options.oracle:
+        return bench_concurrency_oracle(m, str(path), encoded, options.concurrency, options.oracle, options.max_tokens,
+                                        options.depths, options.seed, hidden, on_tokens=on_tokens)
+    return bench_concurrency(m, str(path), encoded, options.concurrency, options.max_tokens, options.depths, sampling,
+                             options.seed, hidden, on_tokens=on_tokens)
 
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, stream: bool = False,

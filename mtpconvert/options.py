@@ -1,4 +1,4 @@
-"""The options a conversion and a pull take, and the one vocabulary of their choices.
+"""The options a conversion, a pull and a bench take, and the one vocabulary of their choices.
 
 The CLI builds its choices from these tuples, the recipes validate against them, the
 plan checks them: a new mode or dtype is added here once. Each options value checks its
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 from .errors import OptionsError
 
@@ -33,6 +33,8 @@ MTP_LAYOUTS = ("sidecar", "in-model")
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
 DEFAULT_HUB_TIMEOUT = 30.0  # seconds without an answer before a Hub metadata call fails
 DEFAULT_PREFETCH_SHARDS = 1  # raw shards a streamed pull downloads ahead of the one being read
+# the backbone state fed to the MTP head: after the final norm (what the head was trained on) or before it
+HIDDEN_STATES = ("post-norm", "pre-norm")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,65 @@ class PublishOptions:
         except HFValidationError:
             raise OptionsError(f"--upload-repo must be a Hub repo id like me/Qwen3.5-27B-4bit-mtp, got "
                                f"{self.repo_id!r}") from None
+
+
+def checked_prompts(prompts: Optional[Sequence[str]]) -> Optional[Sequence[str]]:
+    """Prompts as given (None: the default ones), refused when one is blank."""
+    if prompts is not None and any(not p.strip() for p in prompts):
+        raise OptionsError("--prompt must not be empty")
+    return prompts
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``bench`` measures: ``max_tokens`` decoded per prompt (None: the smoke's prompts), per number of
+    chained drafts in ``depths`` and per backbone state in ``hiddens`` (``HIDDEN_STATES``; with ``concurrency``
+    the first only), sampled at ``temperature`` (0: greedy), ``top_p`` and ``top_k`` (0: off) from ``seed``.
+
+    ``concurrency``: numbers of concurrent streams to bench batched MTP at, against mlx-lm's BatchGenerator,
+    instead of one stream at a time. ``oracle``: acceptance rates P (greedy only): every row once per P,
+    each draft replaced by the true greedy token with probability P (with ``concurrency``: kept with
+    probability P). ``cuda_qmv``: on a CUDA device, the multi-row quantized matvec where it measures faster.
+    Sequences given as lists are kept as tuples."""
+
+    prompts: Optional[Tuple[str, ...]] = None
+    max_tokens: int = 128
+    depths: Tuple[int, ...] = (1,)
+    hiddens: Tuple[str, ...] = HIDDEN_STATES
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    concurrency: Optional[Tuple[int, ...]] = None
+    oracle: Tuple[float, ...] = ()
+    cuda_qmv: bool = False
+
+    def __post_init__(self):
+        for name in ("prompts", "depths", "hiddens", "concurrency", "oracle"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        checked_prompts(self.prompts)
+        if self.max_tokens < 1:
+            raise OptionsError(f"--max-tokens must be 1 or more, not {self.max_tokens}")
+        if not self.depths or any(d < 1 for d in self.depths):
+            raise OptionsError("--depth must be >= 1")
+        if not self.hiddens or any(h not in HIDDEN_STATES for h in self.hiddens):
+            raise OptionsError(f"--mtp-hidden must be one of {HIDDEN_STATES}, not {self.hiddens}")
+        if self.temperature < 0:
+            raise OptionsError(f"--temp must be 0 (greedy) or more, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise OptionsError(f"--top-p must be above 0 and at most 1, not {self.top_p}")
+        if self.top_k < 0:
+            raise OptionsError(f"--top-k must be 0 (off) or more, not {self.top_k}")
+        if self.concurrency is not None and (not self.concurrency or any(c < 1 for c in self.concurrency)):
+            raise OptionsError(f"--concurrency must list stream counts >= 1, e.g. 1,2,4,8, not "
+                               f"{','.join(map(str, self.concurrency))!r}")
+        if self.oracle and (not self.greedy or any(not 0 <= p <= 1 for p in self.oracle)):
+            raise OptionsError("--oracle-acceptance takes rates in [0, 1] and needs greedy decoding (--temp 0)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 def _positive_number(value) -> bool:
