@@ -4,8 +4,8 @@ The CLI builds its choices from these tuples, the recipes validate against them,
 plan checks them: a new mode or dtype is added here once. Each options value checks its
 own ranges and combinations when it is made (``QuantOptions`` when ``validated``), and
 refuses with an ``OptionsError`` naming the command-line option; the CLI only parses text.
-Standard library only: the publish workflow imports the recipes, and so this module,
-before anything is installed.
+Standard library only at import: the publish workflow imports the recipes, and so this
+module, before anything is installed (``PublishOptions`` asks huggingface_hub when made).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ MTP_LAYOUTS = ("sidecar", "in-model")
 DEFAULT_MAX_SHARD_BYTES = 5 << 30
 DEFAULT_HUB_TIMEOUT = 30.0  # seconds without an answer before a Hub metadata call fails
 DEFAULT_PREFETCH_SHARDS = 1  # raw shards a streamed pull downloads ahead of the one being read
-# the backbone state fed to the MTP head: after the final norm (what the head was trained on) or before it
+# the backbone state fed to the MTP head: after the final norm or before it (bench measures both)
 HIDDEN_STATES = ("post-norm", "pre-norm")
 
 
