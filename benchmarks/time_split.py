@@ -44,7 +44,7 @@ from mtpconvert.execute.pipeline import GPU_DEPTH, READ_THREADS, SourceBuffers, 
 from mtpconvert.io.checkpoint import open_checkpoint
 from mtpconvert.io.reader import TensorReader
 from mtpconvert.io.shard_writer import array_bytes
-from mtpconvert.options import ConvertOptions, QuantOptions
+from mtpconvert.options import ConvertOptions, ExecuteOptions, QuantOptions
 from mtpconvert.plan import build_plan
 
 STAGES = ("read", "to device", "quantize", "to host", "hash")
@@ -149,7 +149,7 @@ def full(plan, ckpt, src: Path, numpy_quant: str, **config) -> tuple:
     try:
         with tempfile.TemporaryDirectory(dir=src.parent) as tmp:
             t = time.perf_counter()
-            execute(plan, ckpt, Path(tmp) / "out", **({"block_bytes": block_bytes} if block_bytes else {}))
+            execute(plan, ckpt, Path(tmp) / "out", ExecuteOptions(block_bytes=block_bytes))
             took = time.perf_counter() - t
             shutil.rmtree(Path(tmp) / "out")
         return took, dict(pipeline.PROFILE)

@@ -1,11 +1,15 @@
-"""The Python API: every command of the CLI as a function, with the same checks.
+"""The Python API: every command of the CLI as a function, with the same checks. Options are values
+(``mtpconvert.options``) that check themselves when made: the CLI parses text into them.
 
     from mtpconvert import api
-    from mtpconvert.options import ConvertOptions, QuantOptions
+    from mtpconvert.options import BenchOptions, ConvertOptions, PublishOptions, QuantOptions, RawPolicy
 
     result = api.convert("Qwen3.5-27B", "out", ConvertOptions(quant=QuantOptions(bits=4)))
     report = api.verify("out")
     smoke = api.smoke("out")
+    bench = api.bench("out", BenchOptions(depths=(1, 2)))
+    pulled = api.pull_and_convert("Qwen/Qwen3.5-27B", None, ConvertOptions(quant=QuantOptions(bits=4)),
+                                  raw=RawPolicy(stream=True), publish=PublishOptions("me/Qwen3.5-27B-4bit-mtp"))
 
 Progress reaches the caller through ``Events`` callbacks (the CLI draws its bars from
 them); failures raise ``ConvertError`` subclasses whose message names the file, key or
@@ -22,7 +26,8 @@ from typing import Callable, List, Optional, Sequence, Union
 from .gate import GateRecord, Gate, run_gate
 from .errors import ConvertError, Kept, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
-from .options import ConvertOptions
+from .options import (BenchOptions, ConvertOptions, ExecuteOptions, HubSource, PublishOptions, RawPolicy,
+                      checked_prompts)
 from .plan import Plan, PlanItem, build_plan
 from .provenance import conversion_record
 
@@ -92,8 +97,8 @@ def _interrupted(out: Path, kept: Optional[Kept]) -> Interrupted:
     return error
 
 
-def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Gate, overwrite: bool, resume: bool,
-             events: Events, extra_metadata: Optional[dict], stream=None, publisher=None,
+def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, execute_options: ExecuteOptions, *, checks: Gate,
+             events: Events, stream=None, publisher=None,
              after_checks: Optional[Callable[[Path, GateRecord], None]] = None) -> ConversionResult:
     """``publisher`` (``hub.publish.ShardPublisher``) receives each finished shard (and feeds its
     ``consumer``, the streamed smoke, which then replaces the post-hoc one); ``after_checks`` runs on
@@ -113,9 +118,8 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Gate, overwrit
             after_checks(folder, record)
 
     try:
-        done = execute(plan_, ckpt, out, overwrite=overwrite, extra_metadata=extra_metadata,
-                       progress=lambda item, _i: events.item(item), check=check, resume=resume, stream=stream,
-                       sink=publisher)
+        done = execute(plan_, ckpt, out, execute_options, progress=lambda item, _i: events.item(item),
+                       check=check, stream=stream, sink=publisher)
     except KeyboardInterrupt as e:
         raise _interrupted(out, _kept(e, record)) from None
     except BaseException as e:
@@ -146,8 +150,8 @@ def convert(source: PathLike, out: PathLike, options: ConvertOptions = ConvertOp
     ckpt = open_checkpoint(Path(source))
     record = {**conversion_record("convert", options, source_folder=Path(source).resolve().name),
               **(extra_metadata or {})}
-    return _execute(build_plan(ckpt, options), ckpt, Path(out), checks=checks, overwrite=overwrite, resume=resume,
-                    events=events, extra_metadata=record)
+    execute_options = ExecuteOptions(overwrite=overwrite, resume=resume, extra_metadata=record)
+    return _execute(build_plan(ckpt, options), ckpt, Path(out), execute_options, checks=checks, events=events)
 
 
 def default_out(repo_id: str, options: ConvertOptions) -> Path:
@@ -156,101 +160,86 @@ def default_out(repo_id: str, options: ConvertOptions) -> Path:
     return Path(f"{name}-{bits}bit-mtp-mlx" if bits else f"{name}-mtp-mlx")
 
 
-def pull_plan(repo_id: str, options: ConvertOptions = ConvertOptions(), *, revision: Optional[str] = None,
-              token: Optional[str] = None, cache_dir: Optional[PathLike] = None, timeout: float = 30.0):
+def _hub_source(source: Union[str, HubSource]) -> HubSource:
+    """A repo id as the ``HubSource`` of its main branch, with the defaults; a ``HubSource`` as it is."""
+    return source if isinstance(source, HubSource) else HubSource(source)
+
+
+def pull_plan(source: Union[str, HubSource], options: ConvertOptions = ConvertOptions()):
     """What ``pull_and_convert`` would download (``--dry-run``): files, sizes, the pinned commit."""
     from .hub import pull
 
+    source = _hub_source(source)
     options.quant.validated()
-    return pull.plan_pull(repo_id, revision, token=token, keep_vision=options.keep_vision,
-                          keep_mtp=options.quant.mtp != "drop", cache=Path(cache_dir) if cache_dir else None,
-                          timeout=timeout)
+    return pull.plan_pull(source.repo_id, source.revision, token=source.token, keep_vision=options.keep_vision,
+                          keep_mtp=options.quant.mtp != "drop", cache=source.cache_dir, timeout=source.timeout)
 
 
-def pull_and_convert(repo_id: str, out: Optional[PathLike] = None, options: ConvertOptions = ConvertOptions(), *,
-                     revision: Optional[str] = None, checks: Gate = Gate(), stream: bool = False,
-                     cache_dir: Optional[PathLike] = None, local_dir: Optional[PathLike] = None,
-                     token: Optional[str] = None, timeout: float = 30.0, overwrite: bool = False,
-                     resume: bool = False, upload_repo: Optional[str] = None, private: bool = False,
-                     prefetch_shards: Optional[int] = None, raw_window_gb: Optional[float] = None,
-                     events: Optional[Events] = None) -> ConversionResult:
+def pull_and_convert(source: Union[str, HubSource], out: Optional[PathLike] = None,
+                     options: ConvertOptions = ConvertOptions(), *, raw: RawPolicy = RawPolicy(),
+                     publish: Optional[PublishOptions] = None, checks: Gate = Gate(), overwrite: bool = False,
+                     resume: bool = False, events: Optional[Events] = None) -> ConversionResult:
     """Download only what the conversion needs (pinned to one commit), convert, check; optionally upload.
 
-    With ``stream``, each raw shard is fetched when first needed and deleted after its last
-    use, so raw data on disk stays within the two largest shards; ``prefetch_shards`` (only with
-    ``stream``; default 1) is how many are downloaded ahead of the one being read: 0 holds one.
-    ``raw_window_gb`` (only with ``stream``, not with ``prefetch_shards``) fetches byte ranges
-    instead: each block's source bytes just before it is made, freed once it is written, at most
-    that many GB ahead, so raw data on disk does not depend on the shard size.
+    ``source``: a repo id, or a ``HubSource`` (revision, token, cache or local folder, timeout). ``raw``:
+    how much of the raw release is on disk at once (``RawPolicy``: every file downloaded first, or streamed:
+    each raw shard fetched when first needed and deleted after its last use, or byte ranges within a
+    window). ``publish``: upload the result with its model card in one commit; streamed, each output shard
+    goes up as it is written and the commit follows the checks.
     """
     from .hub import pull
-    from .hub.stream import raw_policy
 
-    keep, window, stream_record = raw_policy(stream, prefetch_shards, raw_window_gb)
+    source = _hub_source(source)
     events = events or Events()
-    events.stage(f"resolving {repo_id}")
-    pulled = pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir, timeout=timeout)
-    out = Path(out) if out is not None else default_out(repo_id, options)
-    meta = conversion_record("pull-and-quantize", options, source_repo=repo_id, source_revision=pulled.sha)
-    if stream_record is not None:
-        meta["stream"] = stream_record
-    local = Path(local_dir) if local_dir else None
-    if stream:
-        publish = {"repo_id": upload_repo, "private": private} if upload_repo else None
-        result = _convert_streamed(pulled, out, options, token=token, local_dir=local, timeout=timeout,
-                                   checks=checks, overwrite=overwrite, resume=resume, events=events, meta=meta,
-                                   publish=publish, keep=keep, window=window)
+    events.stage(f"resolving {source.repo_id}")
+    pulled = pull_plan(source, options)
+    out = Path(out) if out is not None else default_out(source.repo_id, options)
+    meta = conversion_record("pull-and-quantize", options, source_repo=source.repo_id, source_revision=pulled.sha)
+    if raw.record() is not None:  # a window, or a prefetch depth other than the default
+        meta["stream"] = raw.record()
+    execute_options = ExecuteOptions(overwrite=overwrite, resume=resume, extra_metadata=meta)
+    if raw.stream:
+        result = _convert_streamed(pulled, source, out, options, raw, execute_options, publish=publish,
+                                   checks=checks, events=events)
     else:
-        events.stage(f"downloading {repo_id}")
+        events.stage(f"downloading {source.repo_id}")
         events.download(0, pulled.total_bytes or None)
-        folder = pull.download(pulled, token=token, cache=Path(cache_dir) if cache_dir else None, local_dir=local,
-                               timeout=timeout, on_file=lambda f: events.download(f.size or 0, None))
+        folder = pull.download(pulled, token=source.token, cache=source.cache_dir, local_dir=source.local_dir,
+                               timeout=source.timeout, on_file=lambda f: events.download(f.size or 0, None))
         ckpt = open_checkpoint(folder, absent=pulled.skipped_shards)
-        result = _execute(build_plan(ckpt, options), ckpt, out, checks=checks, overwrite=overwrite, resume=resume,
-                          events=events, extra_metadata=meta)
-    result.source_repo, result.source_revision = repo_id, pulled.sha
-    if upload_repo and not stream:  # under --stream the shards went up as they were written
-        upload(out, upload_repo, token=token, private=private, checks=Gate(verify=True, smoke=False),
-               record=result.checks, events=events)
+        result = _execute(build_plan(ckpt, options), ckpt, out, execute_options, checks=checks, events=events)
+    result.source_repo, result.source_revision = source.repo_id, pulled.sha
+    if publish is not None and not raw.stream:  # streamed, the shards went up as they were written
+        upload(out, publish.repo_id, token=source.token, private=publish.private,
+               checks=Gate(verify=True, smoke=False), record=result.checks, events=events)
     return result
 
 
-def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, local_dir: Optional[Path],
-                      timeout: float, checks: Gate, overwrite: bool, resume: bool, events: Events,
-                      meta: dict, publish: Optional[dict] = None, keep: int = 2,
-                      window: Optional[int] = None) -> ConversionResult:
-    """Plan from header stubs, then convert while shards are fetched on first use and deleted after last use
-    (``window``: byte ranges instead, at most ``window`` bytes of them ahead).
-
-    ``publish`` ({"repo_id", "private"}): each finished output shard is uploaded as it is written and one
-    commit publishes the folder once the checks passed (``hub.publish``). ``keep``: raw shards held at once."""
+def _convert_streamed(pulled, source: HubSource, out: Path, options: ConvertOptions, raw: RawPolicy,
+                      execute_options: ExecuteOptions, *, publish: Optional[PublishOptions], checks: Gate,
+                      events: Events) -> ConversionResult:
+    """Plan from header stubs, then convert while the raw data arrives as ``raw`` says (``_raw_feed``); with
+    ``publish`` each finished output shard is uploaded as it is written and one commit publishes the folder
+    once the checks passed (``hub.publish``)."""
     from .hub import pull
     from .hub.publish import committer, shard_publisher
-    from .hub.sparse import RangeReader
-    from .hub.ranges import RangeStream
-    from .hub.stream import ShardStream, first_use_order
 
-    stage = local_dir or out.absolute().parent / f".{out.name}.stream"
+    stage = source.local_dir or out.absolute().parent / f".{out.name}.stream"
     publisher = None
     try:
         events.stage(f"reading {pulled.repo_id} shard headers")
-        ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=token, timeout=timeout),
+        ckpt = open_checkpoint(pull.fetch_stubs(pulled, stage, token=source.token, timeout=source.timeout),
                                absent=pulled.skipped_shards)
         plan_ = build_plan(ckpt, options)
-        if publish:
-            publisher = shard_publisher(publish, _partial(out.absolute()), token, plan_, checks)
-        if window is not None:
-            feed = RangeStream(RangeReader(pulled.repo_id, pulled.sha, token=token).read, window)
-        else:
-            feed = ShardStream(first_use_order(plan_, ckpt),
-                               lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout),
-                               keep=keep)
+        if publish is not None:
+            publisher = shard_publisher(publish, _partial(out.absolute()), source.token, plan_, checks)
+        feed = _raw_feed(pulled, source, raw, plan_, ckpt)
         if publisher is not None:
             publisher.open()
         try:
-            result = _execute(plan_, ckpt, out, checks=checks, overwrite=overwrite, resume=resume, events=events,
-                              extra_metadata=meta, stream=feed, publisher=publisher,
-                              after_checks=committer(publisher, publish, events.stage) if publisher else None)
+            result = _execute(plan_, ckpt, out, execute_options, checks=checks, events=events, stream=feed,
+                              publisher=publisher,
+                              after_checks=committer(publisher, events.stage) if publisher else None)
         except BaseException:
             feed.abandon()  # Ctrl-C must not wait for a multi-GB download in flight
             if publisher is not None:
@@ -262,8 +251,24 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
             _drop_stubs(out, publisher.stubbed, events)
         return result
     finally:
-        if local_dir is None:
+        if source.local_dir is None:
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _raw_feed(pulled, source: HubSource, raw: RawPolicy, plan_: Plan, ckpt: Checkpoint):
+    """The streamed pull's raw data: byte ranges at most ``raw.window_bytes`` ahead, else whole shards
+    fetched on first use and deleted after their last, ``raw.shards_held`` at once."""
+    from .hub import pull
+    from .hub.ranges import RangeStream
+    from .hub.sparse import RangeReader
+    from .hub.stream import ShardStream, first_use_order
+
+    if raw.window_bytes is not None:
+        return RangeStream(RangeReader(pulled.repo_id, pulled.sha, token=source.token).read, raw.window_bytes)
+    return ShardStream(first_use_order(plan_, ckpt),
+                       lambda name, dest: pull.fetch_file(pulled, name, dest, token=source.token,
+                                                          timeout=source.timeout),
+                       keep=raw.shards_held)
 
 
 def _drop_stubs(out: Path, stubbed: Sequence[str], events: Events) -> None:
@@ -372,78 +377,72 @@ def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
     from .runtime.smoke.decode import smoke as run
 
+    checked_prompts(prompts)
     _readable_shards(Path(path))
     return run(Path(path), prompts, max_tokens, hidden, Gate(min_acceptance=min_acceptance).floor_for("full"))
 
 
-def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
-          depths: Sequence[int] = (1,), hiddens: Sequence[str] = ("post-norm", "pre-norm"), sampling=None,
-          seed: int = 0, on_tokens: Optional[Callable[[int], None]] = None,
-          concurrency: Optional[Sequence[int]] = None, oracle: Sequence[float] = (), cuda_qmv: bool = False):
+def bench(path: PathLike, options: BenchOptions = BenchOptions(), *,
+          on_tokens: Optional[Callable[[int], None]] = None):
     """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs.
 
-    With ``concurrency`` (e.g. [1, 2, 4, 8]): batched MTP against mlx-lm's BatchGenerator at each
-    number of concurrent streams, for the first of ``hiddens``
-    (``runtime.measure.batch_bench.ConcurrencyResult``). ``oracle`` (acceptance rates P, greedy only):
+    With ``options.concurrency`` (e.g. (1, 2, 4, 8)): batched MTP against mlx-lm's BatchGenerator at each
+    number of concurrent streams, for the first of ``options.hiddens``
+    (``runtime.measure.batch_bench.ConcurrencyResult``). ``options.oracle`` (acceptance rates P, greedy only):
     every row runs once per P with each draft replaced by the true greedy token with probability P
     (``runtime.measure.oracle``; with ``concurrency`` each draft is kept with probability P instead:
-    ``oracle_batch.OracleConcurrencyResult``).
-    ``cuda_qmv``: on a CUDA device, the multi-row quantized matvec where it measures faster
-    (``runtime.decoding.cuda_qmv``)."""
+    ``oracle_batch.OracleConcurrencyResult``). ``options.cuda_qmv``: on a CUDA device, the multi-row
+    quantized matvec where it measures faster (``runtime.decoding.cuda_qmv``). ``on_tokens(n)``: n more
+    tokens decoded."""
     from .runtime.decoding.sampling import Sampling
     from .runtime.measure.bench import bench as run
 
-    if any(d < 1 for d in depths):
-        raise OptionsError("--depth must be >= 1")
-    if concurrency is not None and (not concurrency or any(c < 1 for c in concurrency)):
-        raise OptionsError("--concurrency must list stream counts >= 1, e.g. 1,2,4,8")
-    try:
-        sampling = sampling or Sampling()
-    except ValueError as e:
-        raise OptionsError(str(e)) from None
-    if oracle and (not sampling.greedy or any(not 0 <= p <= 1 for p in oracle)):
-        raise OptionsError("--oracle-acceptance takes rates in [0, 1] and needs greedy decoding (--temp 0)")
+    sampling = Sampling(options.temperature, options.top_p, options.top_k)
     _readable_shards(Path(path))
-    if concurrency is not None:
-        from .families import family_for
-        from .runtime.smoke.decode import encode_prompts
-        from .runtime.decoding.load import load
-        from .runtime.measure.batch_bench import bench_concurrency
-        from .runtime.measure.oracle_batch import bench_concurrency_oracle
-
-        family = family_for(open_checkpoint(Path(path)).config)
-        if not family.capabilities.batched:
-            raise OptionsError(f"--concurrency: batched MTP does not run the {family.name} family "
-                               f"({family.head.forward} head): it benches one stream at a time (leave --concurrency "
-                               "out)")
-        m = load(Path(path))
-        if cuda_qmv:
-            from .runtime.decoding import cuda_qmv as kernel
-
-            kernel.enable(m.model, m.head)
-        encoded = encode_prompts(Path(path), prompts)
-        if oracle:
-            return bench_concurrency_oracle(m, str(path), encoded, concurrency, oracle, max_tokens, depths, seed,
-                                            hiddens[0], on_tokens=on_tokens)
-        return bench_concurrency(m, str(path), encoded, concurrency, max_tokens, depths, sampling, seed, hiddens[0],
-                                 on_tokens=on_tokens)
-    return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens, oracle=oracle,
-               cuda_qmv=cuda_qmv)
+    if options.concurrency is not None:
+        return _bench_concurrency(Path(path), options, sampling, on_tokens)
+    return run(Path(path), options.prompts, options.max_tokens, options.depths, options.hiddens, sampling,
+               options.seed, on_tokens=on_tokens, oracle=options.oracle, cuda_qmv=options.cuda_qmv)
 
 
-def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
-               events: Optional[Events] = None, **overrides) -> ConversionResult:
+def _bench_concurrency(path: Path, options: BenchOptions, sampling, on_tokens):
+    """``bench`` at each of ``options.concurrency`` streams at once (families whose capabilities say batched)."""
+    from .families import family_for
+    from .runtime.decoding.load import load
+    from .runtime.measure.batch_bench import bench_concurrency
+    from .runtime.measure.oracle_batch import bench_concurrency_oracle
+    from .runtime.smoke.decode import encode_prompts
+
+    family = family_for(open_checkpoint(path).config)
+    if not family.capabilities.batched:
+        raise OptionsError(f"--concurrency: batched MTP does not run the {family.name} family "
+                           f"({family.head.forward} head): it benches one stream at a time (leave --concurrency out)")
+    m = load(path)
+    if options.cuda_qmv:
+        from .runtime.decoding import cuda_qmv as kernel
+
+        kernel.enable(m.model, m.head)
+    encoded = encode_prompts(path, options.prompts)
+    hidden = options.hiddens[0]
+    if options.oracle:
+        return bench_concurrency_oracle(m, str(path), encoded, options.concurrency, options.oracle, options.max_tokens,
+                                        options.depths, options.seed, hidden, on_tokens=on_tokens)
+    return bench_concurrency(m, str(path), encoded, options.concurrency, options.max_tokens, options.depths, sampling,
+                             options.seed, hidden, on_tokens=on_tokens)
+
+
+def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, stream: bool = False,
+               raw: Optional[RawPolicy] = None, upload: bool = True, token: Optional[str] = None,
+               checks: Gate = Gate(), overwrite: bool = False, resume: bool = False,
+               events: Optional[Events] = None) -> ConversionResult:
     """Run one recipe (a file, or the name of a bundled one): pull-and-convert with its options, then upload
-    to its repo unless ``upload=False``. With ``stream=True`` the recipe's ``raw_window_gb`` (else its
-    ``prefetch_shards``) is passed unless ``overrides`` names either."""
+    to its repo unless ``upload=False``. ``stream``: with the recipe's raw-disk policy (``Recipe.raw_policy``:
+    its ``raw_window_gb``, else its ``prefetch_shards``); ``raw``: another policy, which replaces that choice."""
     from .recipes import find_recipe, load_recipe
 
     recipe = load_recipe(find_recipe(path))
-    # the recipe's raw disk policy, streamed only (the two options are exclusive: one given by the caller wins)
-    if overrides.get("stream") and "prefetch_shards" not in overrides and "raw_window_gb" not in overrides:
-        if recipe.raw_window_gb is not None:
-            overrides["raw_window_gb"] = recipe.raw_window_gb
-        else:
-            overrides["prefetch_shards"] = recipe.prefetch_shards
-    return pull_and_convert(recipe.repo, out, recipe.options, revision=recipe.revision, token=token,
-                            upload_repo=recipe.upload_repo if upload else None, events=events, **overrides)
+    if raw is None:
+        raw = recipe.raw_policy if stream else RawPolicy()
+    return pull_and_convert(recipe.source(token), out, recipe.options, raw=raw,
+                            publish=recipe.publish if upload else None, checks=checks, overwrite=overwrite,
+                            resume=resume, events=events)

@@ -30,7 +30,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from .errors import OptionsError
-from .options import FLOAT_DTYPES, ConvertOptions, QuantOptions
+from .options import (DEFAULT_PREFETCH_SHARDS, FLOAT_DTYPES, ConvertOptions, HubSource, PublishOptions,
+                      QuantOptions, RawPolicy)
 
 BUNDLED = Path(__file__).parent / "data" / "recipes"
 RELEASES_FILE = Path(__file__).parent / "data" / "releases.toml"
@@ -139,7 +140,7 @@ class Recipe:
     keep_vision: bool = False
     runner: str = "standard"
     max_shard_gb: float = STREAM_SHARD_GB
-    prefetch_shards: int = 1  # --stream --prefetch-shards: raw shards downloaded ahead of the one read
+    prefetch_shards: int = DEFAULT_PREFETCH_SHARDS  # --stream --prefetch-shards: raw shards downloaded ahead
     raw_window_gb: Optional[float] = None  # --stream --raw-window: raw bytes on disk, fetched by range (not shards)
 
     @property
@@ -286,13 +287,22 @@ class Recipe:
                      else ["--prefetch-shards", str(self.prefetch_shards)])
         return args
 
+    def source(self, token: Optional[str] = None) -> HubSource:
+        """The release the recipe converts, at its revision, read with ``token``."""
+        return HubSource(self.repo, self.revision, token=token)
+
     @property
-    def raw_policy(self) -> str:
-        """What ``--stream`` keeps of the raw release on disk, in words: "2 shards", "1 GB window"."""
+    def raw_policy(self) -> RawPolicy:
+        """What ``recipe run --stream`` keeps of the raw release on disk: its byte window, else its whole shards
+        (``describe()``: "1 GB window", "2 shards")."""
         if self.raw_window_gb is not None:
-            return f"{self.raw_window_gb:g} GB window"
-        shards = 1 + self.prefetch_shards
-        return f"{shards} shard{'s' if shards != 1 else ''}"
+            return RawPolicy(stream=True, raw_window_gb=self.raw_window_gb)
+        return RawPolicy(stream=True, prefetch_shards=self.prefetch_shards)
+
+    @property
+    def publish(self) -> Optional[PublishOptions]:
+        """Where ``recipe run`` uploads the result; None: the recipe names no repository."""
+        return PublishOptions(self.upload_repo) if self.upload_repo else None
 
 
 def load_recipe(path: Path) -> Recipe:
@@ -387,7 +397,7 @@ def workflow_matrix(pattern: str, runner: str = "recipe", labels: Optional[Dict[
     for f in files:
         recipe = load_recipe(Path(f))
         size = recipe.runner if runner == "recipe" else runner
-        jobs.append({"recipe": f, "size": size, "runs_on": labels[size], "raw": recipe.raw_policy})
+        jobs.append({"recipe": f, "size": size, "runs_on": labels[size], "raw": recipe.raw_policy.describe()})
     return jobs
 
 

@@ -18,6 +18,7 @@ from mtpconvert.families.base import resolve
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtpconvert"
 MAX_LINES, MAX_CLI_LINES = 450, 300
+MAX_FUNCTION_LINES = 100
 
 
 def _modules():
@@ -97,6 +98,36 @@ def test_no_module_is_too_long():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > (MAX_CLI_LINES if p.parent.name == "cli" else MAX_LINES)}
     assert long == {}
+
+
+def long_functions(tree: ast.AST, limit: int = MAX_FUNCTION_LINES) -> dict:
+    """``{qualified name: lines}`` of every function or method in ``tree`` longer than ``limit`` lines
+    (from its ``def`` to its last line, decorators left out)."""
+    found = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}."
+                if not isinstance(child, ast.ClassDef) and (n := child.end_lineno - child.lineno + 1) > limit:
+                    found[name[:-1]] = n
+            visit(child, name)
+
+    visit(tree, "")
+    return found
+
+
+def test_no_function_is_too_long():
+    long = {f"{p.relative_to(PACKAGE)}:{name}": n for p in PACKAGE.rglob("*.py")
+            for name, n in long_functions(ast.parse(p.read_text())).items()}
+    assert long == {}
+
+
+def test_long_functions_finds_a_long_method_and_a_nested_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(3))
+    source = f"class A:\n  def m(self):\n{body}\n\ndef f():\n  def g():\n{body}\n  return g\n"
+    assert long_functions(ast.parse(source), limit=3) == {"A.m": 4, "f": 6, "f.g": 4}
 
 
 def test_every_model_type_belongs_to_one_family_and_its_backbone_module_exists():

@@ -11,7 +11,7 @@ from tests.checkpoints import tree_digest
 from mtpconvert.execute.blocks import _source_runs, item_blocks, quantized_in_numpy, rows
 from mtpconvert.execute import execute, pipeline
 from mtpconvert.plan.steps import Gather
-from mtpconvert.options import ConvertOptions
+from mtpconvert.options import ConvertOptions, ExecuteOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.options import QuantOptions
 from mtpconvert.io.header import read_header
@@ -38,7 +38,7 @@ def test_block_size_and_streams_do_not_change_the_bytes(raw_checkpoints, tmp_pat
             "odd": dict(block_bytes=5000, workers=3)}
     digests = {}
     for name, kw in runs.items():
-        execute(plan, ckpt, tmp_path / name, **kw)
+        execute(plan, ckpt, tmp_path / name, ExecuteOptions(**kw))
         digests[name] = tree_digest(tmp_path / name)
     assert digests["rows"] == digests["whole"] and digests["odd"] == digests["whole"]
 
@@ -70,7 +70,7 @@ def test_no_read_exceeds_a_block(raw_checkpoints, tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "direct_read", spy_direct)
     block = 4096
-    execute(plan, ckpt, tmp_path / "out", block_bytes=block)
+    execute(plan, ckpt, tmp_path / "out", ExecuteOptions(block_bytes=block))
     assert reads and all(n <= max(block, row) for _, n, row in reads), [r for r in reads if r[1] > max(block, r[2])]
     # the fused gate_up is read a few experts at a time, never whole
     fused = [r for r in reads if r[0].endswith("experts.gate_up_proj")]

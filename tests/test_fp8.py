@@ -29,7 +29,7 @@ from mtpconvert.execute.resume import RESUME_DIR
 from mtpconvert.fixture.text import TEXT_DENSE, heldout_prompts, text_fixture_path
 from mtpconvert.io.checkpoint import open_checkpoint
 from mtpconvert.io.shard_writer import shard_digest
-from mtpconvert.options import ConvertOptions, QuantOptions
+from mtpconvert.options import ConvertOptions, ExecuteOptions, QuantOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.plan.steps import ShiftNorm
 from mtpconvert.runtime.decoding.load import load
@@ -124,7 +124,7 @@ def test_row_blocks_and_numpy_workers_read_fp8_the_same(twins, reference_outputs
             return real(block, arrays)
 
         monkeypatch.setattr(pipeline, "numpy_outputs", counted)
-    execute(plan, ckpt, tmp_path / "out", block_bytes=ROW_BLOCK_BYTES, workers=2)
+    execute(plan, ckpt, tmp_path / "out", ExecuteOptions(block_bytes=ROW_BLOCK_BYTES, workers=2))
     assert files_digest(tmp_path / "out") == reference_outputs(name, opt)
     assert split and (name != "text-dense" or any(len(it.sources[0].shape) == 2 for it in split))
     assert affine == (made["fp8 blocks in numpy"] > 0), made

@@ -223,10 +223,11 @@ def test_batched_decoding_is_refused_with_the_reason(converted):
     """`bench --concurrency` names the option; the engine itself refuses a nextn head before touching a cache."""
     from mtpconvert.api import bench
     from mtpconvert.errors import OptionsError
+    from mtpconvert.options import BenchOptions
     from mtpconvert.runtime.decoding.batched import Stream, run_batch
     from mtpconvert.runtime.decoding.load import load
 
     with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the glm\w+ family"):
-        bench(converted["float"], concurrency=[1, 2], max_tokens=4)
+        bench(converted["float"], BenchOptions(concurrency=(1, 2), max_tokens=4))
     with pytest.raises(ValueError, match=r"batched MTP does not run the glm\w+ family \(nextn head\)"):
         run_batch(load(converted["float"]), [Stream(IDS[:8], 4)], 1, "mtp")

@@ -17,7 +17,7 @@ from mtpconvert.execute import npquant, ops, quantpool
 from mtpconvert.execute import pipeline as execute_mod
 from mtpconvert.execute.blocks import quantized_in_numpy
 from mtpconvert.execute import execute
-from mtpconvert.options import ConvertOptions
+from mtpconvert.options import ConvertOptions, ExecuteOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.execute.quantpool import QuantizerPool
 from mtpconvert.options import QuantOptions
@@ -131,10 +131,10 @@ def test_conversion_is_byte_identical_with_and_without_numpy(raw_checkpoints, tm
                                                              layout):
     ckpt = open_checkpoint(raw_checkpoints(layout).path)
     plan = build_plan(ckpt, CASES[layout])
-    execute(plan, ckpt, tmp_path / "numpy", block_bytes=3000, workers=2)
+    execute(plan, ckpt, tmp_path / "numpy", ExecuteOptions(block_bytes=3000, workers=2))
     assert numpy_pool["numpy"] > 2 and numpy_pool["mlx fallback"] == 0
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
-    execute(plan, ckpt, tmp_path / "mlx", block_bytes=3000, workers=2)
+    execute(plan, ckpt, tmp_path / "mlx", ExecuteOptions(block_bytes=3000, workers=2))
     assert numpy_pool["numpy"] > 2 and numpy_pool["mlx fallback"] > 2
     assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
 
@@ -158,9 +158,9 @@ def quantize_as_on_a_gpu(monkeypatch) -> Counter:
 def test_conversion_is_byte_identical_through_the_gpu_quantizer(raw_checkpoints, tmp_path, monkeypatch):
     ckpt = open_checkpoint(raw_checkpoints("moe-fused").path)
     plan = build_plan(ckpt, CASES["moe-fused"])
-    execute(plan, ckpt, tmp_path / "cpu", block_bytes=3000, workers=2)
+    execute(plan, ckpt, tmp_path / "cpu", ExecuteOptions(block_bytes=3000, workers=2))
     calls = quantize_as_on_a_gpu(monkeypatch)
-    execute(plan, ckpt, tmp_path / "gpu", block_bytes=3000, workers=2)
+    execute(plan, ckpt, tmp_path / "gpu", ExecuteOptions(block_bytes=3000, workers=2))
     assert calls["blocks"] > 2
     assert tree_digest(tmp_path / "gpu") == tree_digest(tmp_path / "cpu")
 
@@ -178,14 +178,14 @@ def test_a_block_with_a_nan_is_made_by_mlx(raw_checkpoints, tmp_path, monkeypatc
     write_all(path, tensors)
     ckpt = open_checkpoint(src)
     plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4, group_size=32)))
-    execute(plan, ckpt, tmp_path / "numpy", block_bytes=1 << 40)
+    execute(plan, ckpt, tmp_path / "numpy", ExecuteOptions(block_bytes=1 << 40))
     assert numpy_pool["numpy"] > 2 and numpy_pool["mlx fallback"] == 1  # the NaN's block, and only it
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
-    execute(plan, ckpt, tmp_path / "mlx", block_bytes=1 << 40)
+    execute(plan, ckpt, tmp_path / "mlx", ExecuteOptions(block_bytes=1 << 40))
     assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
     # through the GPU quantizer, the NaN's block keeps MLX's own result
     calls = quantize_as_on_a_gpu(monkeypatch)
-    execute(plan, ckpt, tmp_path / "gpu", block_bytes=1 << 40)
+    execute(plan, ckpt, tmp_path / "gpu", ExecuteOptions(block_bytes=1 << 40))
     assert calls["blocks"] > 2
     assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "gpu")
 
@@ -250,10 +250,10 @@ def test_few_result_slots_make_the_pipeline_wait_not_overwrite(raw_checkpoints, 
     plan = build_plan(ckpt, CASES["moe-fused"])
     before = shared_segments()
     monkeypatch.setattr(execute_mod, "slots_that_fit", lambda wanted, slot_bytes: min(wanted, slots))
-    execute(plan, ckpt, tmp_path / "numpy", block_bytes=3000, workers=2)
+    execute(plan, ckpt, tmp_path / "numpy", ExecuteOptions(block_bytes=3000, workers=2))
     assert slot_ledger["taken"] > 10 and slot_ledger["most held"] == slots and not slot_ledger["held"]
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
-    execute(plan, ckpt, tmp_path / "mlx", block_bytes=3000, workers=2)
+    execute(plan, ckpt, tmp_path / "mlx", ExecuteOptions(block_bytes=3000, workers=2))
     assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
     assert shared_segments() == before  # the segment is unlinked with the pool
 
@@ -262,7 +262,7 @@ def test_no_room_for_two_slots_means_mlx_quantizes(raw_checkpoints, tmp_path, mo
     ckpt = open_checkpoint(raw_checkpoints("dense-vlm").path)
     plan = build_plan(ckpt, CASES["dense-vlm"])
     monkeypatch.setattr(execute_mod, "slots_that_fit", lambda wanted, slot_bytes: 1)
-    execute(plan, ckpt, tmp_path / "out", block_bytes=3000, workers=2)
+    execute(plan, ckpt, tmp_path / "out", ExecuteOptions(block_bytes=3000, workers=2))
     assert numpy_pool["numpy"] == 0 and numpy_pool["mlx fallback"] > 2
 
 
@@ -360,7 +360,7 @@ def test_no_shared_memory_means_mlx_quantizes(raw_checkpoints, tmp_path, monkeyp
 
     monkeypatch.setattr(quantpool.shared_memory, "SharedMemory", refuse)
     ckpt = open_checkpoint(raw_checkpoints("dense-vlm").path)
-    execute(build_plan(ckpt, CASES["dense-vlm"]), ckpt, tmp_path / "out", block_bytes=3000, workers=2)
+    execute(build_plan(ckpt, CASES["dense-vlm"]), ckpt, tmp_path / "out", ExecuteOptions(block_bytes=3000, workers=2))
     assert numpy_pool["numpy"] == 0 and numpy_pool["mlx fallback"] > 2
 
 
@@ -390,10 +390,10 @@ def test_fp8_sources_quantize_in_numpy_with_mlxs_bytes(fp8_text_twins, tmp_path,
     ckpt = open_checkpoint(fp8_text_twins[source])
     plan = build_plan(ckpt, options)
     assert any(it.sources[0].scale is not None and quantized_in_numpy(it) for it in plan.items)
-    execute(plan, ckpt, tmp_path / "numpy", block_bytes=20000, workers=2)
+    execute(plan, ckpt, tmp_path / "numpy", ExecuteOptions(block_bytes=20000, workers=2))
     assert numpy_pool["numpy"] > 2 and numpy_pool["mlx fallback"] == 0
     monkeypatch.setenv("MTPCONVERT_NUMPY_QUANT", "0")
-    execute(plan, ckpt, tmp_path / "mlx", block_bytes=20000, workers=2)
+    execute(plan, ckpt, tmp_path / "mlx", ExecuteOptions(block_bytes=20000, workers=2))
     assert numpy_pool["mlx fallback"] > 2
     assert tree_digest(tmp_path / "numpy") == tree_digest(tmp_path / "mlx")
     assert npquant.task_groups([("f", 0, (3, 64), ("s", 0, (1, 1), "BF16", 0))], 32) == 6
@@ -410,7 +410,7 @@ def test_a_non_finite_fp8_scale_is_named_on_the_numpy_path_too(fp8_text_twins, t
     ckpt = open_checkpoint(src)
     plan = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=4)))
     with pytest.raises(LayoutError, match="FP8 scale holds NaN or Inf") as e:
-        execute(plan, ckpt, tmp_path / "out", block_bytes=20000)
+        execute(plan, ckpt, tmp_path / "out", ExecuteOptions(block_bytes=20000))
     assert e.value.key == weight + "_scale_inv"
     assert numpy_pool["mlx fallback"] >= 1 and not (tmp_path / "out").exists()
 
@@ -431,8 +431,8 @@ def test_fp8_sources_to_a_float_dtype_dequantize_on_the_reader_threads_with_mlxs
         return read
 
     monkeypatch.setattr(execute_mod, "direct_read", counted)
-    execute(plan, ckpt, tmp_path / "host", block_bytes=30000)
+    execute(plan, ckpt, tmp_path / "host", ExecuteOptions(block_bytes=30000))
     assert host[True] > 10
     monkeypatch.setattr(execute_mod, "direct_read", lambda block, ckpt, dequantize_fp8=False: real(block, ckpt))
-    execute(plan, ckpt, tmp_path / "mlx", block_bytes=30000)
+    execute(plan, ckpt, tmp_path / "mlx", ExecuteOptions(block_bytes=30000))
     assert tree_digest(tmp_path / "host") == tree_digest(tmp_path / "mlx")

@@ -22,6 +22,7 @@ from mtpconvert.errors import OptionsError
 from mtpconvert.plan import build_plan
 from mtpconvert.io.checkpoint import MTP_FILE
 from mtpconvert.io.header import dtype_itemsize
+from mtpconvert.options import RawPolicy
 from mtpconvert.recipes import (RELEASES, RUNNERS, SHARD_SIZE_HEADROOM_GB, VOCAB, list_recipes, load_recipe, runner_labels,
                                 workflow_matrix)
 from tests.test_layouts import DERIVED_FP8, FP8_TWINS, table_checkpoint
@@ -392,7 +393,7 @@ def test_publish_workflow(tmp_path):
 
     for glob in ("Qwen3.5-397B-A17B-4bit-*", "Qwen3.5-35B-A3B-8bit-*"):  # a raw window; one whole raw shard
         recipes = sorted((ROOT / "recipes").glob(f"{glob}.toml"))
-        assert matrix(glob) == [(r.runner, r.raw_policy) for r in map(load_recipe, recipes)]
+        assert matrix(glob) == [(r.runner, r.raw_policy.describe()) for r in map(load_recipe, recipes)]
     assert "${{ matrix.raw }}" in publish["name"] and "${{ matrix.size }}" in publish["name"]
 
     # recipe run takes what the workflow passes it
@@ -424,16 +425,16 @@ def test_recipe_raw_window_reaches_the_streamed_command(tmp_path):
 
 def test_recipe_run_passes_the_recipes_raw_policy_when_streaming(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(api, "pull_and_convert", lambda repo, out, options, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(api, "pull_and_convert", lambda source, out, options, **kwargs: calls.append(kwargs["raw"]))
     window, shards = tmp_path / "window.toml", tmp_path / "shards.toml"
     window.write_text('repo = "Qwen/Qwen3.5-122B-A10B"\nbits = 4\nraw_window_gb = 1.5\n')
     shards.write_text('repo = "Qwen/Qwen3.5-27B"\nbits = 4\nprefetch_shards = 0\n')
     api.run_recipe(window, stream=True)
     api.run_recipe(shards, stream=True)
     api.run_recipe(window)  # not streamed: neither option
-    api.run_recipe(window, stream=True, prefetch_shards=2)  # the caller's choice replaces the recipe's
-    policy = [{k: c[k] for k in ("raw_window_gb", "prefetch_shards") if k in c} for c in calls]
-    assert policy == [{"raw_window_gb": 1.5}, {"prefetch_shards": 0}, {}, {"prefetch_shards": 2}]
+    api.run_recipe(window, raw=RawPolicy(stream=True, prefetch_shards=2))  # the caller's choice replaces the recipe's
+    assert calls == [RawPolicy(stream=True, raw_window_gb=1.5), RawPolicy(stream=True, prefetch_shards=0), RawPolicy(),
+                     RawPolicy(stream=True, prefetch_shards=2)]
 
 
 def test_qwen3_next_recipes(monkeypatch):
@@ -446,7 +447,7 @@ def test_qwen3_next_recipes(monkeypatch):
         assert r.upload_repo == f"mtpconvert/{r.release_name}-{r.bits}bit-{dtype}-mtp" and r.mtp == "keep"
         assert r.path.stem == f"{r.release_name}-{r.bits}bit-{dtype}"
         assert r.lm_head_gb == pytest.approx(r._gb_at_bits(151936 * 2048 / 1e9)) and r.release.vocab != VOCAB
-        assert r.runner == "standard" and r.prefetch_shards == 0 and r.raw_policy == "1 shard"
+        assert r.runner == "standard" and r.prefetch_shards == 0 and r.raw_policy.describe() == "1 shard"
         assert r.cli_args(stream=True)[:2] == ["pull-and-quantize", f"Qwen/{r.release_name}"]
     jobs = workflow_matrix("recipes/Qwen3-Next-*.toml")
     assert len(jobs) == 8 and {(j["size"], j["raw"]) for j in jobs} == {("standard", "1 shard")}
@@ -466,7 +467,7 @@ def test_glm_recipes(monkeypatch):
         rel, name = r.release, r.path.name
         assert r.repo == f"zai-org/{r.release_name}" and r.path.stem == f"{r.release_name}-{r.bits}bit-{dtype}"
         assert r.upload_repo == f"mtpconvert/{r.release_name}-{r.bits}bit-{dtype}-mtp" and r.mtp == "keep"
-        assert r.runner == "standard" and r.raw_window_gb == 1 and r.raw_policy == "1 GB window"
+        assert r.runner == "standard" and r.raw_window_gb == 1 and r.raw_policy.describe() == "1 GB window"
         assert rel.raw_shards is None and r.raw_shard_gb == math.inf
         assert smallest_runner(replace(r, raw_window_gb=None, prefetch_shards=0)) is None  # whole shards: unsized
         assert r.cli_args(stream=True)[:2] == ["pull-and-quantize", r.repo]

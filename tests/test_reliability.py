@@ -18,7 +18,7 @@ from mtpconvert.execute.resume import RESUME_DIR
 from mtpconvert.cli import app
 from mtpconvert.errors import ConvertError, OutputError
 from mtpconvert.execute import execute
-from mtpconvert.options import ConvertOptions
+from mtpconvert.options import ConvertOptions, ExecuteOptions
 from mtpconvert.plan import build_plan
 from mtpconvert.options import QuantOptions
 from mtpconvert.io.checkpoint import open_checkpoint
@@ -83,7 +83,7 @@ def test_interrupt_leaves_nothing_at_out_and_resume_reuses_checked_shards(raw_ch
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
 
-    result = execute(plan, ckpt, out, resume=True)
+    result = execute(plan, ckpt, out, ExecuteOptions(resume=True))
     assert result.shards_reused == len(done) - 1
     assert tree_digest(out) == tree_digest(fresh)  # byte-identical to an uninterrupted run
     assert not (out / RESUME_DIR).exists() and not partial.exists()
@@ -102,7 +102,7 @@ def test_resume_ignores_shards_from_a_different_plan(raw_checkpoints, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         execute(plan, ckpt, out, progress=interrupt)
     other = build_plan(ckpt, ConvertOptions(quant=QuantOptions(bits=8, group_size=32), max_shard_bytes=40_000))
-    result = execute(other, ckpt, out, resume=True)
+    result = execute(other, ckpt, out, ExecuteOptions(resume=True))
     assert result.shards_reused == 0 and verify(out).ok
 
 

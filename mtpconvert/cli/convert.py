@@ -13,6 +13,7 @@ from rich.markup import escape
 from .. import api
 from ..compat import precision_warnings
 from ..errors import OptionsError
+from ..options import DEFAULT_HUB_TIMEOUT, HubSource, PublishOptions, RawPolicy
 from ..provenance import checked_repo_id
 from . import options as o
 from .errors import handled
@@ -154,7 +155,7 @@ def pull_and_quantize(
                                          "--raw-window).")] = False,
     prefetch_shards: o.PrefetchShards = None,
     raw_window: o.RawWindow = None,
-    timeout: o.Timeout = 30.0,
+    timeout: o.Timeout = DEFAULT_HUB_TIMEOUT,
     as_json: Annotated[bool, typer.Option("--json", help="With --dry-run: the download plan as JSON.")] = False,
     overwrite: o.Overwrite = False,
     resume: o.Resume = False,
@@ -172,24 +173,23 @@ def pull_and_quantize(
     options = o.convert_options(dtype=dtype, bits=bits, group_size=group_size, q_mode=q_mode, mtp=mtp,
                                 mtp_bits=mtp_bits, keep_vision=keep_vision, max_shard_gb=max_shard_gb,
                                 mtp_layout=mtp_layout)
+    source = HubSource(repo_id, revision, token, cache_dir, local_dir, timeout)
+    raw = RawPolicy(stream, prefetch_shards, raw_window)
+    publish = PublishOptions(upload_repo, private) if upload_repo else None
     if dry_run:
         with console.status(f"resolving {repo_id}"):
-            pull = api.pull_plan(repo_id, options, revision=revision, token=token, cache_dir=cache_dir,
-                                 timeout=timeout)
+            pull = api.pull_plan(source, options)
         print_pull_plan(pull, as_json)
         return
     if as_json:
         raise OptionsError("--json needs --dry-run")
+    checks = o.checks(False, no_smoke, min_acceptance, smoke_mode, min_mlp_gain)
     with rich_events(console) as events:
-        result = api.pull_and_convert(repo_id, out, options, revision=revision, checks=o.checks(False, no_smoke, min_acceptance,
-                                                                                              smoke_mode, min_mlp_gain),
-                                      stream=stream, cache_dir=cache_dir, local_dir=local_dir, token=token,
-                                      timeout=timeout, overwrite=overwrite, resume=resume, upload_repo=upload_repo,
-                                      private=private, prefetch_shards=prefetch_shards,
-                                      raw_window_gb=raw_window, events=events)
+        result = api.pull_and_convert(source, out, options, raw=raw, publish=publish, checks=checks,
+                                      overwrite=overwrite, resume=resume, events=events)
     print_result(result)
-    if upload_repo:
-        console.print(f"[green]uploaded[/green] {upload_repo}")
+    if publish is not None:
+        console.print(f"[green]uploaded[/green] {publish.repo_id}")
 
 
 def print_pull_plan(pull, as_json: bool) -> None:

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import api
 from ..errors import OptionsError
+from ..options import HIDDEN_STATES, BenchOptions
 from . import options as o
 from .errors import handled
 from .helpfmt import Command
@@ -93,12 +94,6 @@ def verify(
     raise typer.Exit(0 if report.ok else 1)
 
 
-def _prompts(prompt):
-    if prompt is not None and any(not p.strip() for p in prompt):
-        raise OptionsError("--prompt must not be empty")
-    return prompt
-
-
 @handled
 def smoke(
     path: Annotated[Path, typer.Argument(help="Converted MLX folder with an MTP head.")],
@@ -110,7 +105,7 @@ def smoke(
     as_json: o.Json = False,
 ):
     """Greedy MTP decoding next to plain greedy on a few prompts; non-zero exit when the head is absent or broken."""
-    result = api.smoke(path, _prompts(prompt), max_tokens, hidden.value, min_acceptance)
+    result = api.smoke(path, prompt, max_tokens, hidden.value, min_acceptance)
     if as_json:
         out_console.print_json(json.dumps(result.to_json()))
     else:
@@ -140,50 +135,45 @@ def bench(
 ):
     """MTP speculative decoding vs plain decoding: acceptance per depth, tokens/step, tok/s, speedup, step costs.
     With --concurrency: batched MTP vs mlx-lm's BatchGenerator at each number of concurrent streams."""
-    from ..runtime.decoding.sampling import Sampling
-
-    try:
-        sampling = Sampling(temperature, top_p, top_k)
-    except ValueError as e:
-        raise OptionsError(str(e)) from None
-    hiddens = ("post-norm", "pre-norm") if hidden is o.BenchHidden.both else (hidden.value,)
-    prompts = _prompts(prompt)
-    levels = _concurrency(concurrency)
-    total = 2 * (len(prompts) if prompts else 3) * len(hiddens) * len(depth) * max_tokens
-    oracle = list(oracle or [])
-    if oracle:
-        total *= len(oracle)
-    if levels is not None:  # four timed decoders per level and depth
-        total = 4 * sum(levels) * len(depth) * max_tokens
-        if oracle:  # BatchGenerator and the plain engine once, MTP once per P
-            total = (2 + len(oracle)) * sum(levels) * len(depth) * max_tokens
+    options = BenchOptions(prompts=prompt, max_tokens=max_tokens, depths=depth,
+                           hiddens=HIDDEN_STATES if hidden is o.BenchHidden.both else (hidden.value,),
+                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                           concurrency=_concurrency(concurrency), oracle=oracle or (), cuda_qmv=cuda_qmv)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                   TimeElapsedColumn(), console=console, transient=True, disable=as_json) as bar:
-        task = bar.add_task("decoding", total=total)
-        result = api.bench(path, prompts, max_tokens, depth, hiddens, sampling, seed,
-                           on_tokens=lambda n: bar.advance(task, n), concurrency=levels, oracle=oracle,
-                           cuda_qmv=cuda_qmv)
+        task = bar.add_task("decoding", total=_tokens_decoded(options))
+        result = api.bench(path, options, on_tokens=lambda n: bar.advance(task, n))
     if as_json:
         out_console.print_json(json.dumps(result.to_json(), default=str))
-    elif levels is not None and oracle:
+    elif options.concurrency is not None and options.oracle:
         oracle_concurrency_table(result, out_console)
-    elif levels is not None:
+    elif options.concurrency is not None:
         concurrency_table(result, out_console)
     else:
         bench_table(result, out_console)
 
 
 def _concurrency(text):
-    """"1,2,4,8" -> [1, 2, 4, 8]; None stays None."""
+    """"1,2,4,8" -> [1, 2, 4, 8]; None stays None (the range is ``BenchOptions``'s to check)."""
     if text is None:
         return None
     try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise OptionsError(f"--concurrency must be comma-separated integers, not {text!r}") from None
-    if not levels or any(c < 1 for c in levels):
-        raise OptionsError(f"--concurrency must list stream counts >= 1, not {text!r}")
-    return levels
+
+
+def _tokens_decoded(options: BenchOptions) -> int:
+    """Tokens the bench decodes, for its progress bar: two timed decodes per prompt (three by default),
+    backbone state, depth and oracle rate; with --concurrency, per stream of each level and per depth, four
+    timed decoders, or with oracle rates BatchGenerator and the plain engine once and MTP once per rate."""
+    prompts = len(options.prompts) if options.prompts else 3
+    rates = len(options.oracle) or 1
+    per_depth = options.max_tokens * len(options.depths)
+    if options.concurrency is not None:
+        decoders = 2 + len(options.oracle) if options.oracle else 4
+        return decoders * sum(options.concurrency) * per_depth
+    return 2 * prompts * len(options.hiddens) * rates * per_depth
 
 
 def register(app: typer.Typer) -> None:

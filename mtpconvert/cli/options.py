@@ -8,15 +8,15 @@ from typing import Annotated, List, Optional
 import typer
 
 from ..gate import SMOKE_MODES, Gate
-from ..options import FLOAT_DTYPES, MODES, MTP_LAYOUTS, MTP_POLICIES, ConvertOptions, QuantOptions
+from ..options import FLOAT_DTYPES, HIDDEN_STATES, MODES, MTP_LAYOUTS, MTP_POLICIES, ConvertOptions, QuantOptions
 
 DType = Enum("DType", {d: d for d in FLOAT_DTYPES}, type=str)
 QMode = Enum("QMode", {m: m for m in MODES}, type=str)
 MtpPolicy = Enum("MtpPolicy", {p: p for p in MTP_POLICIES if p != "bits"}, type=str)  # bits: via --mtp-bits
 MtpLayoutChoice = Enum("MtpLayoutChoice", {m: m for m in MTP_LAYOUTS}, type=str)
-Hidden = Enum("Hidden", {"post-norm": "post-norm", "pre-norm": "pre-norm"}, type=str)
+Hidden = Enum("Hidden", {h: h for h in HIDDEN_STATES}, type=str)
 SmokeModeChoice = Enum("SmokeModeChoice", {m: m for m in SMOKE_MODES}, type=str)
-BenchHidden = Enum("BenchHidden", {"post-norm": "post-norm", "pre-norm": "pre-norm", "both": "both"}, type=str)
+BenchHidden = Enum("BenchHidden", {**{h: h for h in HIDDEN_STATES}, "both": "both"}, type=str)
 
 _AFFINE = ", ".join(map(str, MODES["affine"][0]))
 

@@ -80,7 +80,7 @@ def recipe_run(
     recipe = load_recipe(path)
     console.print("mtpconvert " + " ".join(recipe.cli_args(stream=stream and not dry_run)), highlight=False)
     if dry_run:
-        print_pull_plan(api.pull_plan(recipe.repo, recipe.options, revision=recipe.revision, token=token), False)
+        print_pull_plan(api.pull_plan(recipe.source(token), recipe.options), False)
         return
     with rich_events(console) as events:
         result = api.run_recipe(path, out, upload=not no_upload, token=token, events=events, stream=stream,

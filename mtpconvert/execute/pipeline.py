@@ -221,137 +221,176 @@ def write_blocks(blocks: Iterable[Block], ckpt: Checkpoint, reader: TensorReader
     asked for each block's source bytes before the block is read (``acquire``) and told when it is
     written (``done``).
     """
-    on_gpu = any(s.device != mx.cpu for s in streams)
-    # (block, what is being made: a read future, a Pending npquant result, or None, and its buffer slot)
-    queued: deque = deque()
-    computing: deque = deque()  # (block, lazy mx outputs, or a Pending npquant result; buffer slot)
-    writing: deque = deque()  # (block, future of the write (-> future of the hash), Pending or None, slot)
-    # worker processes read ahead themselves, and one that finishes early finds the next block queued
-    ahead = 0 if quantizers is not None else READ_THREADS
-    depth = 2 * quantizers.workers if quantizers is not None else (GPU_DEPTH if on_gpu else len(streams))
-    buffers = SourceBuffers(ahead + depth + WRITE_AHEAD + 2, streams[0])
+    hashers = Hashers(HASH_THREADS)
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as write_pool, \
+            ThreadPoolExecutor(READ_THREADS, thread_name_prefix="source-read") as read_pool:
+        pipeline = BlockPipeline(ckpt, reader, writer, streams, on_item, quantizers, feed,
+                                 read_pool=read_pool, write_pool=write_pool, hashers=hashers)
+        try:
+            pipeline.run(blocks)
+        except BaseException:
+            pipeline.cancel()
+            raise
+        finally:
+            hashers.shutdown()
 
-    def finish_write() -> None:
-        block, future, pending, slot = writing.popleft()
+
+class BlockPipeline:
+    """The stages of ``write_blocks`` for one shard: the blocks in flight, in three queues, oldest first.
+
+    A block waits in ``queued`` while its source is read (a reader thread's future, or a worker
+    process's ``Pending`` result), in ``computing`` while MLX evaluates it (or the worker quantizes
+    it), and in ``writing`` until its bytes are written and hashed. Each queue is bounded (reads
+    ahead, compute depth, ``WRITE_AHEAD``): a stage that is full moves its oldest block on.
+    """
+
+    def __init__(self, ckpt: Checkpoint, reader: TensorReader, writer: StreamingShardWriter,
+                 streams: List[mx.Stream], on_item: Callable[[PlanItem], None], quantizers: Optional[QuantizerPool],
+                 feed, *, read_pool: ThreadPoolExecutor, write_pool: ThreadPoolExecutor, hashers: Hashers):
+        self.ckpt, self.reader, self.writer, self.streams = ckpt, reader, writer, streams
+        self.on_item, self.quantizers, self.feed = on_item, quantizers, feed
+        self.read_pool, self.write_pool, self.hashers = read_pool, write_pool, hashers
+        self.on_gpu = any(s.device != mx.cpu for s in streams)
+        # (block, what is being made: a read future, a Pending npquant result, or None; its buffer slot; its read)
+        self.queued: deque = deque()
+        self.computing: deque = deque()  # (block, lazy mx outputs, or a Pending npquant result; buffer slot)
+        self.writing: deque = deque()  # (block, future of the write (-> future of the hash), Pending or None, slot)
+        # worker processes read ahead themselves, and one that finishes early finds the next block queued
+        self.ahead = 0 if quantizers is not None else READ_THREADS
+        self.depth = 2 * quantizers.workers if quantizers is not None else (GPU_DEPTH if self.on_gpu else len(streams))
+        self.buffers = SourceBuffers(self.ahead + self.depth + WRITE_AHEAD + 2, streams[0])
+        self.started = 0  # blocks started on the MLX streams, which take them in turn
+        self.item_files: Dict[str, set] = {}  # item name -> the source files it reads
+
+    def run(self, blocks: Iterable[Block]) -> None:
+        """Every block through every stage; returns once the last one is on disk and hashed."""
+        for block in blocks:
+            self._wait_for_source(block)
+            self._queue(block)
+            if len(self.queued) > self.ahead:
+                self._start_compute()
+        while self.queued:
+            self._start_compute()
+        while self.computing:
+            self._hand_over()
+        while self.writing:
+            self._finish_write()
+
+    def cancel(self) -> None:
+        """After a failure: cancel the reads, quantizations and writes not yet started."""
+        for _, made, _, _ in self.queued:
+            if made is not None:
+                (made.future if isinstance(made, Pending) else made).cancel()
+        for _, pending, _ in self.computing:
+            if isinstance(pending, Pending):
+                pending.future.cancel()
+        for _, future, _, _ in self.writing:
+            future.cancel()
+
+    def _wait_for_source(self, block: Block) -> None:
+        """Keep within the raw-shard budget of a streamed source, and have a feed fetch the block's bytes."""
+        files = self.item_files.get(block.item.name)
+        if files is None:
+            files = self.item_files[block.item.name] = {self.ckpt.tensors[s.key].file for s in block.item.sources}
+        if not all(self.reader.admits(f) for f in files):
+            # a streamed shard over the raw-shard budget: finish the blocks in flight, whose
+            # last items release the shards they read (--prefetch-shards 0: one at a time)
+            t = time.perf_counter()
+            while self.queued or self.computing or self.writing:
+                self._advance()
+            PROFILE["main: drains for the raw-shard budget"] += time.perf_counter() - t
+        if self.feed is not None:
+            t = time.perf_counter()
+            self.feed.acquire(block.key)
+            PROFILE["main: waits for source ranges"] += time.perf_counter() - t
+
+    def _queue(self, block: Block) -> None:
+        """Stage 1: start the block's read (a worker process's, for npquant's items) and queue it."""
+        if self.quantizers is not None and quantized_in_numpy(block.item):
+            while not self.quantizers.has_free_slot():  # every slot holds a result not yet written
+                self._advance()
+            self.queued.append((block, self.quantizers.submit(numpy_task(block, self.ckpt, self.reader)), None, None))
+            return
+        read = direct_read(block, self.ckpt, dequantize_fp8=not self.on_gpu)
+        if read is None:  # a gather MLX copies from the mapping when the block is computed
+            self.queued.append((block, None, None, None))
+            return
+        runs = [(self.reader.fileno(info), offset, n) for info, offset, n in read.runs]
+        while not self.buffers.has_free():
+            self._advance()
+        slot = self.buffers.take(read.nbytes)
+        dest = self.buffers.view(slot, read.nbytes)
+        if read.scales:
+            scales = [(self.reader.fileno(info), info, *rest) for info, *rest in read.scales]
+            future = self.read_pool.submit(_dequantize_into, runs, scales, block.item.dtype, dest)
+        else:
+            future = self.read_pool.submit(_read_into, runs, dest)
+        self.queued.append((block, future, slot, read))
+
+    def _start_compute(self) -> None:
+        """Stage 2: the oldest queued block starts evaluating on the next MLX stream (a worker's result
+        goes on as it is)."""
+        block, made, slot, read = self.queued.popleft()
+        if isinstance(made, Pending):
+            self.computing.append((block, made, None))
+        else:
+            with mx.stream(self.streams[self.started % len(self.streams)]):
+                if read is not None:
+                    t = time.perf_counter()
+                    made.result()  # re-raises a read error
+                    PROFILE["main: waits for reads"] += time.perf_counter() - t
+                    outs = apply_steps(self.buffers.array(slot, read), block.item.steps)
+                else:
+                    outs = produce_block(block, self.ckpt, self.reader)
+            self.started += 1
+            mx.async_eval(*outs)
+            self.computing.append((block, outs, slot))
+        if len(self.computing) > self.depth:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Stage 3: the oldest computed block, once evaluated, goes to the writer thread."""
+        block, outs, slot = self.computing.popleft()
+        pending = None
+        t = time.perf_counter()
+        if isinstance(outs, Pending):
+            made = self.quantizers.result(outs)
+            # None: a NaN or an infinity, whose quantization MLX's kernel decides
+            if made is None:
+                outs = produce_block(block, self.ckpt, self.reader)
+            else:
+                pending, outs = outs, numpy_outputs(block, made)
+        mx.eval(*[o for o in outs if isinstance(o, mx.array)])  # the writer only reads finished arrays
+        PROFILE["main: waits for device / workers"] += time.perf_counter() - t
+        future = self.write_pool.submit(_write_block, self.writer, self.hashers, block, outs)
+        self.writing.append((block, future, pending, slot))
+        while len(self.writing) > WRITE_AHEAD:
+            self._finish_write()
+
+    def _finish_write(self) -> None:
+        """Stage 4: wait for the oldest block's write and hashes, then free what it held."""
+        block, future, pending, slot = self.writing.popleft()
         t = time.perf_counter()
         for hashed in future.result():  # re-raises the writer's error (disk full, ...) here
             hashed.result()
         PROFILE["main: waits for write + hash"] += time.perf_counter() - t
         if pending is not None:
-            quantizers.release(pending)
+            self.quantizers.release(pending)
         if slot is not None:
-            buffers.release(slot)
-        if feed is not None:
-            feed.done(block.key)
+            self.buffers.release(slot)
+        if self.feed is not None:
+            self.feed.done(block.key)
         if block.last:
-            on_item(block.item)
+            self.on_item(block.item)
 
-    hashers = Hashers(HASH_THREADS)
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-writer") as pool, \
-            ThreadPoolExecutor(READ_THREADS, thread_name_prefix="source-read") as readers:
-        def hand_over() -> None:
-            block, outs, slot = computing.popleft()
-            pending = None
-            t = time.perf_counter()
-            if isinstance(outs, Pending):
-                made = quantizers.result(outs)
-                # None: a NaN or an infinity, whose quantization MLX's kernel decides
-                if made is None:
-                    outs = produce_block(block, ckpt, reader)
-                else:
-                    pending, outs = outs, numpy_outputs(block, made)
-            mx.eval(*[o for o in outs if isinstance(o, mx.array)])  # the writer only reads finished arrays
-            PROFILE["main: waits for device / workers"] += time.perf_counter() - t
-            writing.append((block, pool.submit(_write_block, writer, hashers, block, outs), pending, slot))
-            while len(writing) > WRITE_AHEAD:
-                finish_write()
-
-        def start_compute() -> None:
-            block, made, slot, read = queued.popleft()
-            if isinstance(made, Pending):
-                computing.append((block, made, None))
-            else:
-                with mx.stream(streams[start_compute.k % len(streams)]):
-                    if read is not None:
-                        t = time.perf_counter()
-                        made.result()  # re-raises a read error
-                        PROFILE["main: waits for reads"] += time.perf_counter() - t
-                        outs = apply_steps(buffers.array(slot, read), block.item.steps)
-                    else:
-                        outs = produce_block(block, ckpt, reader)
-                start_compute.k += 1
-                mx.async_eval(*outs)
-                computing.append((block, outs, slot))
-            if len(computing) > depth:
-                hand_over()
-        start_compute.k = 0
-
-        def advance() -> None:
-            """Move the oldest block on a stage, to free a buffer or a result slot."""
-            if queued:
-                start_compute()
-            elif computing:
-                hand_over()
-            else:
-                finish_write()
-
-        item_files: dict = {}  # item name -> the source files it reads
-        try:
-            for block in blocks:
-                files = item_files.get(block.item.name)
-                if files is None:
-                    files = item_files[block.item.name] = {ckpt.tensors[s.key].file for s in block.item.sources}
-                if not all(reader.admits(f) for f in files):
-                    # a streamed shard over the raw-shard budget: finish the blocks in flight, whose
-                    # last items release the shards they read (--prefetch-shards 0: one at a time)
-                    t = time.perf_counter()
-                    while queued or computing or writing:
-                        advance()
-                    PROFILE["main: drains for the raw-shard budget"] += time.perf_counter() - t
-                if feed is not None:
-                    t = time.perf_counter()
-                    feed.acquire(block.key)
-                    PROFILE["main: waits for source ranges"] += time.perf_counter() - t
-                if quantizers is not None and quantized_in_numpy(block.item):
-                    while not quantizers.has_free_slot():  # every slot holds a result not yet written
-                        advance()
-                    queued.append((block, quantizers.submit(numpy_task(block, ckpt, reader)), None, None))
-                else:
-                    read = direct_read(block, ckpt, dequantize_fp8=not on_gpu)
-                    if read is not None:
-                        runs = [(reader.fileno(info), offset, n) for info, offset, n in read.runs]
-                        while not buffers.has_free():
-                            advance()
-                        slot = buffers.take(read.nbytes)
-                        if read.scales:
-                            scales = [(reader.fileno(info), info, *rest) for info, *rest in read.scales]
-                            future = readers.submit(_dequantize_into, runs, scales, block.item.dtype,
-                                                    buffers.view(slot, read.nbytes))
-                        else:
-                            future = readers.submit(_read_into, runs, buffers.view(slot, read.nbytes))
-                        queued.append((block, future, slot, read))
-                    else:
-                        queued.append((block, None, None, None))
-                if len(queued) > ahead:
-                    start_compute()
-            while queued:
-                start_compute()
-            while computing:
-                hand_over()
-            while writing:
-                finish_write()
-        except BaseException:
-            for _, made, _, _ in queued:
-                if made is not None:
-                    (made.future if isinstance(made, Pending) else made).cancel()
-            for _, pending, _ in computing:
-                if isinstance(pending, Pending):
-                    pending.future.cancel()
-            for _, future, _, _ in writing:
-                future.cancel()
-            raise
-        finally:
-            hashers.shutdown()
+    def _advance(self) -> None:
+        """Move the oldest block on a stage, to free a buffer or a result slot."""
+        if self.queued:
+            self._start_compute()
+        elif self.computing:
+            self._hand_over()
+        else:
+            self._finish_write()
 
 
 NUMPY_MIN_BYTES = 256 << 20  # below this much to quantize, starting worker processes does not pay

@@ -25,6 +25,7 @@ from ..io.files import contained
 from ..io.output_folder import OutputFolder, describe_os_error
 from ..io.reader import TensorReader
 from ..io.shard_writer import StreamingShardWriter
+from ..options import ExecuteOptions
 from ..plan import Plan, PlanItem
 from ..plan.head import MTP_DRAFTER_CONFIG, MTP_LINK, MTP_MANIFEST, MTP_MANIFEST_BODY
 from .blocks import DEFAULT_BLOCK_BYTES, block_ranges, item_blocks
@@ -55,8 +56,6 @@ class ConvertResult:
     tensors: int
     bytes_written: int
     shards_reused: int = 0
-
-
 
 
 def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
@@ -138,35 +137,98 @@ def copy_sidecars(src: Path, out: OutputFolder, keep_vision: bool) -> List[str]:
     return copied
 
 
+class OutputShards:
+    """The output shards of one ``execute``, made in turn: each reused where an earlier run of the plan left it
+    (``--resume``) or written through the block pipeline, then handed to the sink. Counts the shards reused and
+    the bytes on disk, and releases each source file once no unfinished item reads it."""
+
+    def __init__(self, plan: Plan, ckpt: Checkpoint, folder: OutputFolder, reader: TensorReader, fingerprint: str,
+                 block_bytes: int, *, resume: bool, progress: Optional[Progress],
+                 stream: Optional[Union["ShardStream", "RangeStream"]], sink: Optional[ShardSink]):
+        self.ckpt, self.folder, self.reader, self.fingerprint = ckpt, folder, reader, fingerprint
+        self.block_bytes, self.resume, self.progress = block_bytes, resume, progress
+        self.stream, self.sink = stream, sink
+        self.users = source_users(plan, ckpt)
+        self.position = 0  # items finished so far, in the order they finish
+        self.written = self.reused = 0
+
+    def item_done(self, item: PlanItem) -> None:
+        """Release the source files no unfinished item reads any more, report progress."""
+        for f in item_files(item, self.ckpt):
+            waiting = self.users[f]
+            waiting.discard(item.name)
+            if not waiting:
+                self.reader.release(f)
+        if self.progress:
+            self.progress(item, self.position)
+        self.position += 1
+
+    def make(self, shard_name: str, items: List[PlanItem], streams, quantizers) -> None:
+        """Reuse the shard or write it, then hand it to the sink (the MTP sidecar stays: it is linked and checked)."""
+        if self._reused(shard_name, items):
+            return
+        path = self.folder.path(shard_name)
+        specs = [spec for item in items for spec in item.outputs()]
+        writer = StreamingShardWriter(path, specs, {"format": "mlx"})
+        try:
+            blocks = (b for item in items for b in item_blocks(item, self.block_bytes))
+            write_blocks(blocks, self.ckpt, self.reader, writer, streams, self.item_done, quantizers, feed=self.stream)
+            writer.close()
+            self.written += writer.size
+            record = {"fingerprint": self.fingerprint, "size": writer.size, "sha256": writer.digest()}
+            (self.folder.path(RESUME_DIR) / f"{shard_name}.json").write_text(json.dumps(record))
+        except BaseException:
+            writer.abort()
+            raise
+        if self.sink is not None and shard_name != MTP_FILE:
+            self.sink.finished(shard_name, path, self.fingerprint)
+
+    def _reused(self, shard_name: str, items: List[PlanItem]) -> bool:
+        """Whether an earlier run of this plan delivered the shard to the sink, or left it here intact."""
+        path = self.folder.path(shard_name)
+        # asked first: a delivered shard may be a header stub, which must not be re-hashed
+        delivered = self.sink.delivered(shard_name, self.fingerprint) if self.sink and self.resume else None
+        kept = delivered is None and self.resume and reusable(self.folder, shard_name, self.fingerprint)
+        if kept:
+            delivered = path.stat().st_size
+        if delivered is None:
+            return False
+        self.reused += 1
+        self.written += delivered
+        for item in items:
+            if self.stream is not None:  # its blocks will not be made: nothing to fetch for them
+                for b in item_blocks(item, self.block_bytes):
+                    self.stream.done(b.key)
+            self.item_done(item)
+        if kept and self.sink is not None and shard_name != MTP_FILE:
+            self.sink.finished(shard_name, path, self.fingerprint)  # its bytes are here: the sink reads them too
+        return True
+
+
 def execute(
     plan: Plan,
     ckpt: Checkpoint,
     out: Path,
+    options: ExecuteOptions = ExecuteOptions(),
     *,
-    overwrite: bool = False,
     progress: Optional[Progress] = None,
-    extra_metadata: Optional[dict] = None,
     check: Optional[Callable[[Path], None]] = None,
-    resume: bool = False,
-    workers: Optional[int] = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
     stream: Optional[Union["ShardStream", "RangeStream"]] = None,
     sink: Optional[ShardSink] = None,
 ) -> ConvertResult:
     """Write the plan's output folder atomically; ``check`` runs on the finished temp folder.
 
-    With ``resume``, shards finished by an interrupted run of the same plan are kept when
+    With ``options.resume``, shards finished by an interrupted run of the same plan are kept when
     their recorded sha256 still matches; everything else is rewritten. With ``stream``,
     source data is fetched when first read and deleted after its last use (whole shards, or each
     block's byte ranges: ``stream.expect`` is told every block in order first). With ``sink``,
     every finished model shard is handed to it (the MTP sidecar stays: it is linked and checked).
+    ``progress(item, position)`` runs as each item is on disk.
     """
     shards = shard_order(plan)
-    users = source_users(plan, ckpt)
-
-    written = reused = 0
+    block_bytes = options.block_bytes or DEFAULT_BLOCK_BYTES
     fingerprint = plan_fingerprint(plan, ckpt)
-    with OutputFolder(out, overwrite=overwrite, resume=resume) as folder:
+    with OutputFolder(out, overwrite=options.overwrite, resume=options.resume) as folder:
         folder.path(RESUME_DIR).mkdir(exist_ok=True)
         try:  # first: a sink may read the folder while shards arrive (the streamed smoke: config, tokenizer)
             folder.write_json("config.json", plan.config)
@@ -177,61 +239,19 @@ def execute(
         if stream is not None:
             stream.expect((b.key, block_ranges(b, ckpt)) for items in shards.values() for item in items
                           for b in item_blocks(item, block_bytes))
-        streams = compute_streams(workers)
-        position = 0
-
-        def item_done(item: PlanItem) -> None:
-            """Release the source files no unfinished item reads any more, report progress."""
-            nonlocal position
-            for f in item_files(item, ckpt):
-                waiting = users[f]
-                waiting.discard(item.name)
-                if not waiting:
-                    reader.release(f)
-            if progress:
-                progress(item, position)
-            position += 1
-
+        output = OutputShards(plan, ckpt, folder, reader, fingerprint, block_bytes, resume=options.resume,
+                              progress=progress, stream=stream, sink=sink)
+        streams = compute_streams(options.workers)
         with quantizer_pool(plan, streams, block_bytes) as quantizers:
             try:
                 for shard_name, items in shards.items():
-                    specs = [spec for item in items for spec in item.outputs()]
-                    path = folder.path(shard_name)
-                    # asked first: a delivered shard may be a header stub, which must not be re-hashed
-                    delivered = sink.delivered(shard_name, fingerprint) if sink and resume else None
-                    kept = delivered is None and resume and reusable(folder, shard_name, fingerprint)
-                    if kept:
-                        delivered = path.stat().st_size
-                    if delivered is not None:
-                        reused += 1
-                        written += delivered
-                        for item in items:
-                            if stream is not None:  # its blocks will not be made: nothing to fetch for them
-                                for b in item_blocks(item, block_bytes):
-                                    stream.done(b.key)
-                            item_done(item)
-                        if kept and sink is not None and shard_name != MTP_FILE:
-                            sink.finished(shard_name, path, fingerprint)  # its bytes are here: the sink reads them too
-                        continue
-                    writer = StreamingShardWriter(path, specs, {"format": "mlx"})
-                    try:
-                        blocks = (b for item in items for b in item_blocks(item, block_bytes))
-                        write_blocks(blocks, ckpt, reader, writer, streams, item_done, quantizers, feed=stream)
-                        writer.close()
-                        written += writer.size
-                        record = {"fingerprint": fingerprint, "size": writer.size, "sha256": writer.digest()}
-                        (folder.path(RESUME_DIR) / f"{shard_name}.json").write_text(json.dumps(record))
-                    except BaseException:
-                        writer.abort()
-                        raise
-                    if sink is not None and shard_name != MTP_FILE:
-                        sink.finished(shard_name, path, fingerprint)
+                    output.make(shard_name, items, streams, quantizers)
             except OSError as e:
                 raise describe_os_error(e, out) from e
             finally:
                 reader.close()
         try:
-            folder.write_json("model.safetensors.index.json", index_json(plan, extra_metadata), indent=2)
+            folder.write_json("model.safetensors.index.json", index_json(plan, options.extra_metadata), indent=2)
             if MTP_FILE in shards:
                 link_head(folder, plan.config)
         except OSError as e:
@@ -240,4 +260,4 @@ def execute(
             check(folder.tmp)
         shutil.rmtree(folder.path(RESUME_DIR))  # after the checks: a failing check leaves the records for --resume
         folder.commit()
-    return ConvertResult(out, list(shards), sum(len(i.outputs()) for i in plan.items), written, reused)
+    return ConvertResult(out, list(shards), sum(len(i.outputs()) for i in plan.items), output.written, output.reused)

@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional
 
 from ..io.output_folder import RESUME_DIR
 from ..io.checkpoint import MTP_FILE
+from ..options import PublishOptions
 from ..plan.head import MTP_LINK
 from .errors import HubError, hub_api, hub_error
 from .upload import folder_operations
@@ -263,7 +264,7 @@ def _upload_error(e: Exception, repo_id: str, name: str) -> Exception:
                     file=name)
 
 
-def shard_publisher(publish: dict, partial: Path, token: Optional[str], plan, checks) -> ShardPublisher:
+def shard_publisher(publish: PublishOptions, partial: Path, token: Optional[str], plan, checks) -> ShardPublisher:
     """Shards go up as they are written. With the smoke on, the layerwise smoke is fed each shard as it
     is finished and the shard's data is freed once uploaded and consumed (disk: two output shards);
     only ``--smoke-mode full``, which loads the whole folder, keeps every shard until the end."""
@@ -275,18 +276,18 @@ def shard_publisher(publish: dict, partial: Path, token: Optional[str], plan, ch
     if smoke and checks.smoke_mode != "full":
         consumer = StreamedLayerwise(index_json(plan)["weight_map"], plan.family, prompts=checks.prompts,
                                      min_acceptance=checks.floor_for("layerwise"), min_mlp_gain=checks.min_mlp_gain)
-    return ShardPublisher(publish["repo_id"], partial, token=token, private=publish["private"],
+    return ShardPublisher(publish.repo_id, partial, token=token, private=publish.private,
                           keep_files=smoke and consumer is None, consumer=consumer)
 
 
-def committer(publisher: ShardPublisher, publish: dict, on_stage: Callable[[str], None]) -> Callable:
+def committer(publisher: ShardPublisher, on_stage: Callable[[str], None]) -> Callable:
     """After the checks pass, on the temp folder: the card (from the folder and the checks) and the one commit."""
     from .card import model_card
 
     def commit(folder: Path, record) -> None:
-        card = model_card(folder, publish["repo_id"], smoke_acceptance=record.smoke_acceptance,
+        card = model_card(folder, publisher.repo_id, smoke_acceptance=record.smoke_acceptance,
                           verify_ok=record.verify_ok)
-        on_stage(f"committing to {publish['repo_id']}")
-        publish["commit_url"] = publisher.commit(folder, card, "Upload MLX conversion with MTP head (mtpconvert)")
+        on_stage(f"committing to {publisher.repo_id}")
+        publisher.commit(folder, card, "Upload MLX conversion with MTP head (mtpconvert)")
 
     return commit

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional
 
 from .errors import HubError, cache_dir, endpoint, hub_api, hub_error
 from ..io.checkpoint import INDEX_NAME, PICKLE_SUFFIXES, SIDECAR_FILES, VISION_SIDECAR_FILES
+from ..options import DEFAULT_HUB_TIMEOUT
 
 
 @dataclass
@@ -69,12 +70,9 @@ def needed_files(siblings: Dict[str, Optional[int]], index: Optional[dict], *, k
     return sorted(n for n in names if not n.endswith(PICKLE_SUFFIXES))
 
 
-DEFAULT_TIMEOUT = 30.0  # seconds without an answer before a Hub metadata call fails
-
-
 def plan_pull(repo_id: str, revision: Optional[str] = None, *, token: Optional[str] = None,
               keep_vision: bool = False, keep_mtp: bool = True, cache: Optional[Path] = None,
-              timeout: float = DEFAULT_TIMEOUT) -> PullPlan:
+              timeout: float = DEFAULT_HUB_TIMEOUT) -> PullPlan:
     """Resolve the revision to a commit and choose files, reading only config and index."""
     from huggingface_hub import hf_hub_download
 
@@ -114,7 +112,7 @@ def plan_pull(repo_id: str, revision: Optional[str] = None, *, token: Optional[s
 
 def download(plan: PullPlan, *, token: Optional[str] = None, cache: Optional[Path] = None,
              local_dir: Optional[Path] = None, on_file: Optional[Callable[[RemoteFile], None]] = None,
-             timeout: float = DEFAULT_TIMEOUT) -> Path:
+             timeout: float = DEFAULT_HUB_TIMEOUT) -> Path:
     """Fetch the plan's files at its pinned commit (resumable, cached); return the local folder."""
     from huggingface_hub import hf_hub_download
 
@@ -133,7 +131,7 @@ def download(plan: PullPlan, *, token: Optional[str] = None, cache: Optional[Pat
 
 
 def fetch_stubs(plan: PullPlan, stage: Path, *, token: Optional[str] = None,
-                timeout: float = DEFAULT_TIMEOUT) -> Path:
+                timeout: float = DEFAULT_HUB_TIMEOUT) -> Path:
     """For ``--stream``: small files downloaded into ``stage``, each shard as a sparse stub (its
     header only, fetched with range requests), so the plan can be built before any tensor data."""
     from .sparse import fetch_sparse
@@ -151,7 +149,7 @@ def fetch_stubs(plan: PullPlan, stage: Path, *, token: Optional[str] = None,
 
 
 def fetch_file(plan: PullPlan, name: str, dest: Path, *, token: Optional[str] = None,
-               timeout: float = DEFAULT_TIMEOUT) -> None:
+               timeout: float = DEFAULT_HUB_TIMEOUT) -> None:
     """Download one file of the pinned commit to ``dest`` (no cache copy: a streamed shard is deleted after use)."""
     from huggingface_hub import hf_hub_download
 

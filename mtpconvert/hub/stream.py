@@ -9,9 +9,9 @@ background only while fewer than ``keep`` downloaded shards are on disk, so raw 
 never exceeds the ``keep`` largest shards, unless one item reads from more than ``keep``
 shards at once (then exactly those are present).
 
-``keep`` is ``1 + prefetch_shards`` (``--prefetch-shards``): 1 (the default) downloads the next
-shard while one converts; 0 holds one raw shard at a time, each download starting when the
-previous shard is deleted (no overlap of download and conversion).
+``keep`` is ``options.RawPolicy.shards_held``, ``1 + prefetch_shards`` (``--prefetch-shards``): 1 (the
+default) downloads the next shard while one converts; 0 holds one raw shard at a time, each download
+starting when the previous shard is deleted (no overlap of download and conversion).
 """
 
 from __future__ import annotations
@@ -19,49 +19,10 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
-from ..errors import ConvertError, OptionsError
+from ..errors import ConvertError
 from ..logs import mute_abandoned
-
-DEFAULT_PREFETCH_SHARDS = 1  # raw shards downloaded ahead of the one being read
-
-
-def shards_held(prefetch_shards: int) -> int:
-    """Raw shards a stream may hold at once for ``--prefetch-shards N``: the one read, plus N ahead."""
-    if isinstance(prefetch_shards, bool) or not isinstance(prefetch_shards, int) or prefetch_shards < 0:
-        raise OptionsError(f"--prefetch-shards must be 0 or more, not {prefetch_shards!r}",
-                           hint="0: one raw shard on disk at a time; 1 (default): the next one downloads while "
-                           "one converts")
-    return 1 + prefetch_shards
-
-
-def window_bytes(raw_window_gb: float) -> int:
-    """Bytes of ``--raw-window GB`` (decimal GB, like the runner sizes it is chosen against)."""
-    if isinstance(raw_window_gb, bool) or not isinstance(raw_window_gb, (int, float)) or not raw_window_gb > 0:
-        raise OptionsError(f"--raw-window must be a number of GB above 0, not {raw_window_gb!r}",
-                           hint="e.g. 1: raw byte ranges fetched at most 1 GB ahead of the conversion")
-    return int(raw_window_gb * 1e9)
-
-
-def raw_policy(stream: bool, prefetch_shards: Optional[int], raw_window_gb: Optional[float]
-               ) -> Tuple[int, Optional[int], Optional[dict]]:
-    """pull-and-quantize's raw-data options as (raw shards held, byte-range window or None, the index
-    record's ``stream`` entry or None); combinations that mean nothing are refused."""
-    for flag, value in (("--prefetch-shards", prefetch_shards), ("--raw-window", raw_window_gb)):
-        if value is not None and not stream:
-            raise OptionsError(f"{flag} needs --stream (a plain pull downloads every shard first)")
-    if prefetch_shards is not None and raw_window_gb is not None:
-        raise OptionsError("--prefetch-shards and --raw-window exclude each other: whole shards or byte ranges")
-    window = window_bytes(raw_window_gb) if raw_window_gb is not None else None
-    prefetch = DEFAULT_PREFETCH_SHARDS if prefetch_shards is None else prefetch_shards
-    keep = shards_held(prefetch)
-    record = None
-    if window is not None:
-        record = {"raw_window_gb": raw_window_gb}
-    elif stream and prefetch != DEFAULT_PREFETCH_SHARDS:  # the default leaves the record as a plain pull's
-        record = {"prefetch_shards": prefetch}
-    return keep, window, record
 
 
 class ShardStream:

@@ -1,6 +1,6 @@
 """Full or layerwise: what a converted folder weighs, by the unit the layerwise check holds at once,
 against the memory this process can still use. ``smoke_mode`` is a pure decision the caller feeds
-with those measured numbers (``mtpconvert.checks``); headers only, no tensor is read.
+with those measured numbers (``mtpconvert.gate``); headers only, no tensor is read.
 """
 
 from __future__ import annotations
