@@ -18,7 +18,7 @@ $(VENV)/.installed-demo: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.$(if $(CPU),[$(CPU)])'
 	touch $@
 
-# the tests add pytest and CPU torch (parity against transformers' own Qwen3.5)
+# the tests add pytest, CPU torch (parity against transformers' own classes) and mlx-vlm (the families it loads)
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e '.[$(if $(CPU),$(CPU)$(comma))test]'
 	touch $@ $(VENV)/.installed-demo

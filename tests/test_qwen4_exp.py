@@ -20,7 +20,6 @@ from mtpconvert.gate import Gate
 from mtpconvert.options import ConvertOptions, QuantOptions
 from tests.checkpoints_qwen4_exp import build, reference_logits
 
-mlx_vlm = pytest.importorskip("mlx_vlm", reason="the qwen4_exp backbone runs in mlx-vlm (pip install mtpconvert[vlm])")
 
 IDS = [5, 17, 1, 42, 99, 7, 3, 200, 11, 64, 13, 8, 77, 21]
 NO_CHECKS = Gate(verify=True, smoke=False)
@@ -198,3 +197,18 @@ def test_families_lists_qwen4_exp():
     (family,) = [f for f in api.families() if f["family"] == "qwen4_exp"]
     assert family["backbone_library"] == "mlx-vlm" and family["backbone_modules"] == ["mlx_vlm.models.qwen4_exp"]
     assert set(family["head_runtimes"]) == {"mlx-vlm", "mlx-vlm-drafter"}
+
+
+def test_the_card_runs_it_in_mlx_vlm_not_mlx_lm(releases, converted, tmp_path):
+    """The card's usage follows the folder's runtime table: mlx-vlm with the whole folder as the drafter (the route
+    that finds the head), no mlx-lm snippet that would fail on load; without its head the mlx-vlm drafting goes too."""
+    from mtpconvert.hub.card import model_card
+
+    card = model_card(converted["per-expert", "q4"], "me/flash-next-4bit")
+    use = card.split("## Use")[1]
+    assert "from mlx_lm import" not in use
+    assert "python -m mlx_vlm.generate --model flash-next-4bit --draft-model flash-next-4bit --draft-kind mtp" in use
+    headless = api.convert(releases["per-expert"].path, tmp_path / "headless",
+                           ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32, mtp="drop")),
+                           checks=NO_CHECKS).out
+    assert "--draft-model" not in model_card(headless, "me/flash-next-4bit").split("## Use")[1]

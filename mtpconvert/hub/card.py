@@ -152,11 +152,8 @@ def install_mtpconvert() -> str:
     return "pip install ./mtpconvert   # from a clone of mtpconvert's git repository (it is not on PyPI)"
 
 
-def usage(repo_id: str) -> str:
-    local = repo_id.split("/")[-1]
-    return f"""## Use
-
-Stock mlx-lm loads it (and ignores the MTP weights):
+def _mlx_lm_usage(repo_id: str) -> str:
+    return f"""Stock mlx-lm loads it (and ignores the MTP weights):
 
 ```bash
 pip install mlx-lm   # on Linux also: pip install "mlx[cpu]"
@@ -168,7 +165,40 @@ from mlx_lm import load, generate
 model, tokenizer = load("{repo_id}")
 print(generate(model, tokenizer, prompt="{PROMPT}", max_tokens=64))
 ```
+"""
 
+
+def _mlx_vlm_usage(repo_id: str, draft: str, first: bool) -> str:
+    local = repo_id.split("/")[-1]
+    who = "mlx-vlm loads it" if first else "mlx-vlm also loads it"
+    return f"""{who} and drafts with its MTP head (`--draft-model {draft.replace("OUT", local)}`: the route the table \
+above marks usable):
+
+```bash
+pip install mlx-vlm   # on Linux also: pip install "mlx[cpu]"
+hf download {repo_id} --local-dir {local}
+python -m mlx_vlm.generate --model {local} --draft-model {draft.replace("OUT", local)} --draft-kind mtp \\
+    --prompt "{PROMPT}" --max-tokens 64
+```
+"""
+
+
+def usage(repo_id: str, report) -> str:
+    """How to run the folder: with each library its compat table (``report``) says loads it, and the mlx-vlm
+    drafting route that finds the head (the whole folder, else ``OUT/mtp``)."""
+    from ..compat import mlx_lm, mlx_vlm
+
+    local = repo_id.split("/")[-1]
+    rows = {r.runtime: r for r in report.runtimes}
+    parts = []
+    if (lm := rows.get(mlx_lm.NEW[0])) and lm.backbone_exact.ok:
+        parts.append(_mlx_lm_usage(repo_id))
+    for name, draft in ((mlx_vlm.NAME, "OUT"), (mlx_vlm.DRAFTER_ROUTE, "OUT/mtp")):
+        row = rows.get(name)
+        if row and row.head_usable.ok and row.backbone_exact.ok is not False:
+            parts.append(_mlx_vlm_usage(repo_id, draft, not parts))
+            break
+    return "## Use\n\n" + "\n".join(parts) + f"""
 MTP speculative decoding with mtpconvert's runtime (mtpconvert is not on PyPI):
 
 ```bash
@@ -192,11 +222,8 @@ print(stats.acceptance, stats.tokens_per_step)
 """
 
 
-def runtimes_text(folder: Path) -> str:
-    """Which MTP runtimes take the folder as it is (mtpconvert.compat, from its headers)."""
-    from ..compat import check_folder
-
-    report = check_folder(folder)
+def runtimes_text(report) -> str:
+    """Which MTP runtimes take the folder as it is (``report``: mtpconvert.compat's, from its headers)."""
     rows = ["| runtime | version | backbone loads exactly | MTP head usable | why |", "|---|---|---|---|---|"]
     for r in report.runtimes:
         why = r.head_usable.reason if r.backbone_exact.ok else r.backbone_exact.reason
@@ -222,7 +249,10 @@ def model_card(folder: Path, repo_id: str, *, smoke_acceptance: Optional[float] 
     """The README.md for an output folder about to be uploaded to ``repo_id``."""
     from huggingface_hub import ModelCard
 
+    from ..compat import check_folder
+
     f = read_folder(folder)
+    report = check_folder(Path(folder))
     base = base_model_of(f, base_model)
     origin = f"MLX conversion of {_link(base, None)}" if base else "MLX conversion"
     verify = "passed" if verify_ok else ("failed" if verify_ok is False else "not run")
@@ -239,11 +269,11 @@ def model_card(folder: Path, repo_id: str, *, smoke_acceptance: Optional[float] 
 | verify | {verify} |
 | smoke (greedy MTP draft acceptance, depth 1) | {smoke} |
 
-{runtimes_text(Path(folder))}
+{runtimes_text(report)}
 
 ## How it was made
 
 {how_it_was_made(f, base, repo_id.split("/")[-1])}
 
-{usage(repo_id)}"""
+{usage(repo_id, report)}"""
     return ModelCard(f"---\n{card_data(f, base).to_yaml()}\n---\n\n{body}").content
