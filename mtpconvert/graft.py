@@ -26,6 +26,7 @@ from .io.output_folder import OutputFolder
 from .io.reader import TensorReader
 from .io.shard_writer import StreamingShardWriter
 from .execute.run import link_head
+from .families import family_for
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
 from .runtime.decoding.locate import HEAD_PREFIXES
@@ -34,10 +35,14 @@ IN_MODEL_SHARD = "model-mtp.safetensors"  # --mtp-layout in-model: a model shard
 MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
-def _existing_dtype(ckpt) -> str:
-    for key in ("language_model.model.norm.weight", "model.norm.weight"):
-        if key in ckpt.tensors:
-            return MLX_DTYPES.get(ckpt.tensors[key].dtype, "bfloat16")
+def _existing_dtype(ckpt, family) -> str:
+    """The float dtype the folder keeps its unquantized tensors in: its final norm's, where the family puts it (with
+    or without the ``language_model.`` prefix, as mlx-lm's text-only folders have it)."""
+    norm = family.modules.norm
+    prefixes = (norm + ".", norm.removeprefix("language_model.") + ".")
+    for key, info in ckpt.tensors.items():
+        if key.startswith(prefixes) and info.dtype in MLX_DTYPES:
+            return MLX_DTYPES[info.dtype]
     return "bfloat16"
 
 
@@ -71,11 +76,12 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
     q = existing.config.get("quantization") or {}
     quant = QuantOptions(q.get("bits"), q.get("group_size"), q.get("mode", "affine"), mtp, mtp_bits)
     raw = open_checkpoint(source_dir, absent=absent)
-    plan = build_plan(raw, ConvertOptions(dtype=_existing_dtype(existing), quant=quant, mtp_layout=mtp_layout))
+    dtype = _existing_dtype(existing, family_for(raw.config))
+    plan = build_plan(raw, ConvertOptions(dtype=dtype, quant=quant, mtp_layout=mtp_layout))
     if plan.mtp_layers == 0:
         raise LayoutError("the source checkpoint has no MTP head", file=source_dir)
     items = plan.head_items
-    for probe in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"):
+    for probe in (plan.family.modules.embed + ".weight", plan.family.modules.lm_head + ".weight"):
         mine = next((it for it in plan.items if it.name == probe), None)
         theirs = existing.tensors.get(probe)
         if mine and theirs and mine.quant is None and tuple(theirs.shape) != tuple(mine.slot.shape):

@@ -212,3 +212,31 @@ def test_the_card_runs_it_in_mlx_vlm_not_mlx_lm(releases, converted, tmp_path):
                            ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32, mtp="drop")),
                            checks=NO_CHECKS).out
     assert "--draft-model" not in model_card(headless, "me/flash-next-4bit").split("## Use")[1]
+
+
+def test_add_mtp_grafts_the_head_onto_mlx_vlms_own_conversion(releases, converted, tmp_path):
+    """mlx-vlm's convert drops the head; ``add-mtp`` puts back the head the direct conversion keeps (the same
+    bytes), verify accepts the folder and mlx-vlm drafts with it equal to plain greedy."""
+    from mlx_vlm.convert import convert as vlm_convert
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.speculative.drafters import load_drafter
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    folder = tmp_path / "vlm-q4"
+    vlm_convert(str(releases["per-expert"].path), str(folder), quantize=True, q_bits=4, q_group_size=32)
+    assert not any("mtp" in k for f in folder.glob("*.safetensors") for k in safe_open(str(f), "np").keys())
+    before = {f.name: f.read_bytes() for f in folder.glob("model*.safetensors")}
+    api.add_mtp(str(releases["per-expert"].path), folder, checks=NO_CHECKS)
+    grafted, direct = load_file(str(folder / "mtp.safetensors")), load_file(
+        str(converted["per-expert", "q4"] / "mtp.safetensors"))
+    assert sorted(grafted) == sorted(direct) and all(np.array_equal(grafted[k], direct[k]) for k in grafted)
+    assert before == {f.name: f.read_bytes() for f in folder.glob("model*.safetensors")}  # the backbone untouched
+    assert api.verify(folder).ok
+    model = vlm_model(folder)
+    drafter, kind = load_drafter(str(folder / "mtp"), kind="mtp")
+    prompt = mx.array([IDS])
+    drafted = [int(t) for t, _ in generate_step(prompt, model, None, None, max_tokens=16, temperature=0.0,
+                                                 draft_model=drafter, draft_kind=kind)]
+    plain = [int(t) for t, _ in generate_step(prompt, model, None, None, max_tokens=16, temperature=0.0)]
+    assert drafter.draft_lens and drafted == plain

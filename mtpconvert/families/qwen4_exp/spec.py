@@ -85,7 +85,7 @@ def _is_prime(value: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _primes_after(start: int, count: int) -> Tuple[int, ...]:
+def primes_after(start: int, count: int) -> Tuple[int, ...]:
     """The first ``count`` primes greater than ``start``."""
     out: List[int] = []
     value = start
@@ -98,7 +98,7 @@ def _primes_after(start: int, count: int) -> Tuple[int, ...]:
 
 def ngram_table_rows(base: int, heads: int, ple_index: int, divisor: int) -> int:
     """Padded rows of the ``ple_index``-th PLE layer's n-gram table (module doc)."""
-    primes = _primes_after(base - 1, (ple_index + 1) * heads)
+    primes = primes_after(base - 1, (ple_index + 1) * heads)
     total = sum(primes[ple_index * heads:(ple_index + 1) * heads])
     return math.ceil(total / divisor) * divisor
 
