@@ -62,21 +62,26 @@ class Backbone:
     # ------------------------------------------------------------------ sizes
 
     @property
-    def hidden_size(self) -> int:
+    def args(self):
+        """The text model's arguments as its library parsed them (``hidden_size``, ``rms_norm_eps``, ...)."""
         raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        return self.args.hidden_size
 
     @property
     def rms_norm_eps(self) -> float:
-        raise NotImplementedError
+        return self.args.rms_norm_eps
 
     @property
     def vocab_size(self) -> int:
-        raise NotImplementedError
+        return self.args.vocab_size
 
     @property
     def tied(self) -> bool:
         """The output projection is the input embedding's transpose."""
-        raise NotImplementedError
+        return bool(getattr(self.args, "tie_word_embeddings", False))
 
     # ------------------------------------------------------------------ parts
 
@@ -214,22 +219,6 @@ class TextModelBackbone(Backbone):
     @property
     def args(self):
         return self.text.args
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.hidden_size
-
-    @property
-    def rms_norm_eps(self) -> float:
-        return self.args.rms_norm_eps
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
-    @property
-    def tied(self) -> bool:
-        return bool(getattr(self.args, "tie_word_embeddings", False))
 
     def forward(self, tokens: mx.array, cache: list) -> Tuple[Optional[mx.array], mx.array]:
         return None, self.text.model(tokens, cache)

@@ -74,22 +74,6 @@ class Qwen4ExpBackbone(Backbone):
     def args(self):
         return self.text.args
 
-    @property
-    def hidden_size(self) -> int:
-        return self.args.hidden_size
-
-    @property
-    def rms_norm_eps(self) -> float:
-        return self.args.rms_norm_eps
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
-    @property
-    def tied(self) -> bool:
-        return bool(self.args.tie_word_embeddings)
-
     def is_recurrent(self, layer: nn.Module) -> bool:
         return layer.is_linear
 
