@@ -38,7 +38,7 @@ MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 def _existing_dtype(ckpt, family) -> str:
     """The float dtype the folder keeps its unquantized tensors in: its final norm's, where the family puts it (with
     or without the ``language_model.`` prefix, as mlx-lm's text-only folders have it)."""
-    norm = family.modules.norm
+    norm = family.module_paths.norm
     prefixes = (norm + ".", norm.removeprefix("language_model.") + ".")
     for key, info in ckpt.tensors.items():
         if key.startswith(prefixes) and info.dtype in MLX_DTYPES:
@@ -81,7 +81,7 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
     if plan.mtp_layers == 0:
         raise LayoutError("the source checkpoint has no MTP head", file=source_dir)
     items = plan.head_items
-    for probe in (plan.family.modules.embed + ".weight", plan.family.modules.lm_head + ".weight"):
+    for probe in (plan.family.module_paths.embed + ".weight", plan.family.module_paths.lm_head + ".weight"):
         mine = next((it for it in plan.items if it.name == probe), None)
         theirs = existing.tensors.get(probe)
         if mine and theirs and mine.quant is None and tuple(theirs.shape) != tuple(mine.slot.shape):

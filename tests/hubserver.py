@@ -11,6 +11,7 @@ can assert what was asked for; faults (401, 404, dropped connections) are inject
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import re
@@ -279,3 +280,19 @@ class FakeHub:
                 self.end_headers()
 
         return Handler
+
+
+@contextlib.contextmanager
+def served_hub(tmp_path: Path, monkeypatch):
+    """A ``FakeHub`` that huggingface_hub talks to for the test: its endpoint, a cache under ``tmp_path``, no
+    token, telemetry or Xet storage (uploads go to this server)."""
+    with FakeHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        # where huggingface_hub looks when given no cache_dir (a streamed shard's download copies a cached file): read
+        # from the environment once, at its import, which may be in an earlier test's tmp_path
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)
+        yield hub

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tests.hubserver import FakeHub
+from tests.hubserver import served_hub
 from mtpconvert.cli import app
 from mtpconvert.fixture import fixture_path
 
@@ -18,16 +18,7 @@ SECRET = "hf_PRIVATEtoken0123456789abcdefXYZ"
 
 @pytest.fixture()
 def hub(tmp_path, monkeypatch, raw_checkpoints):
-    with FakeHub() as h:
-        monkeypatch.setenv("HF_ENDPOINT", h.url)
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-        # where huggingface_hub looks when given no cache_dir (a streamed shard's download copies a cached file): read
-        # from the environment once, at its import, which may be in an earlier test's tmp_path
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        # hf_xet is installed: without this, uploads would go to a Xet storage this server does not speak
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)
+    with served_hub(tmp_path, monkeypatch) as h:
         # the fixture as the hub serves it, plus files a conversion must not fetch
         src = tmp_path / "served"
         shutil.copytree(fixture_path("dense"), src)

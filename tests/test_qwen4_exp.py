@@ -240,3 +240,33 @@ def test_add_mtp_grafts_the_head_onto_mlx_vlms_own_conversion(releases, converte
                                                  draft_model=drafter, draft_kind=kind)]
     plain = [int(t) for t, _ in generate_step(prompt, model, None, None, max_tokens=16, temperature=0.0)]
     assert drafter.draft_lens and drafted == plain
+
+
+@pytest.mark.parametrize("fetch", [["--stream"], ["--stream", "--raw-window", "0.0002"]], ids=["shards", "ranges"])
+def test_streamed_pull_writes_what_a_local_conversion_writes(releases, tmp_path, monkeypatch, fetch):
+    """``pull-and-quantize --stream`` of the release (the head alone in its last shard), by whole shards or by byte
+    ranges: every file as a local ``convert`` of the same source and options writes it; with ``--mtp drop`` the
+    head's shard is never fetched."""
+    from typer.testing import CliRunner
+
+    from mtpconvert.cli import app
+    from tests.hubserver import served_hub
+
+    src = releases["per-expert"].path
+    head_shard = sorted(src.glob("model-*.safetensors"))[-1].name
+    args = ["--bits", "4", "--group-size", "32", "--dtype", "float32", "--no-smoke"]
+    local = api.convert(src, tmp_path / "local", OPTIONS["q4"], checks=NO_CHECKS).out
+    with served_hub(tmp_path, monkeypatch) as hub:
+        hub.add_folder("Qwen/Flash-Next-Tiny", src)
+        result = CliRunner().invoke(app, ["pull-and-quantize", "Qwen/Flash-Next-Tiny", str(tmp_path / "pulled"),
+                                          *fetch, *args])
+        assert result.exit_code == 0, result.output
+        assert [r for r in hub.log if r.method == "GET" and r.path.endswith(head_shard)]
+        before = len(hub.log)
+        result = CliRunner().invoke(app, ["pull-and-quantize", "Qwen/Flash-Next-Tiny", str(tmp_path / "dropped"),
+                                          *fetch, *args, "--mtp", "drop"])
+        assert result.exit_code == 0, result.output
+        assert not [r for r in hub.log[before:] if r.method == "GET" and r.path.endswith(head_shard)]
+    for name in ["mtp.safetensors"] + sorted(p.name for p in local.glob("model*.safetensors")):
+        assert (tmp_path / "pulled" / name).read_bytes() == (local / name).read_bytes(), name
+    assert api.verify(tmp_path / "pulled").ok

@@ -193,15 +193,9 @@ def test_real_mtplx_accepts_it_and_labels_the_folder_verified(converted):
 @pytest.fixture()
 def hub(tmp_path, monkeypatch):
     """A loopback Hub serving the dense fixture (as tests/test_hub.py's ``hub``, less its other repos)."""
-    from tests.hubserver import FakeHub
+    from tests.hubserver import served_hub
 
-    with FakeHub() as h:
-        monkeypatch.setenv("HF_ENDPOINT", h.url)
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)
+    with served_hub(tmp_path, monkeypatch) as h:
         h.add_folder("Qwen/Tiny-MTP", fixture_path("dense"))
         yield h
 
