@@ -111,7 +111,7 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
     backbone = family.backbone_class().load(path, family, lazy=lazy)
     config = backbone.config
     n = family.spec(config).mtp_layers or 0  # the family's count keys (Qwen3-Next also num_nextn_predict_layers)
-    weights = _mtp_weights(path, family)
+    weights = backbone.head_weights(_mtp_weights(path, family))
     if n == 0 or not weights:
         raise LayoutError(
             "no MTP head: " + ("config says mtp_num_hidden_layers=0" if n == 0

@@ -310,7 +310,7 @@ def _load_head(folder: _Folder, head_tensors: HeadTensors) -> nn.Module:
             if full in lazy and head_tensors.tensors[k].file == f:
                 weights[k] = lazy[full]
         del lazy
-    weights = stack_experts(weights, folder.family)
+    weights = folder.shell.head_weights(stack_experts(weights, folder.family))
     head = folder.shell.make_head(1)
     for name in ("embed_tokens", "shared_head"):
         head.pop(name, None)  # read by row blocks (head_vocab), not held
