@@ -174,16 +174,18 @@ def test_our_runtime_greedy_mtp_equals_plain(converted, option, depth):
     assert tokens == plain[:16] and sum(stats.accepted) > 0 and oracle.stats.wrong > 0
 
 
-def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted):
+@pytest.mark.parametrize("option", ["q4", "bf16"])
+def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, option):
     """One layer resident at a time (a shared indexer layer takes its prompt's top-k from the layer before), the head
-    loaded from the sidecar through the drafter's names: the same tokens as the whole model loaded."""
+    loaded from the sidecar through the drafter's names: the same tokens as the whole model loaded. bf16: mlx-vlm's
+    float expert stacks run in float32 on the CPU (its gather_mm takes no other), in both."""
     from mtpconvert.runtime.decoding.load import load
     from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
     from mtpconvert.runtime.smoke.teacher_forced import teacher_forced_full
 
     ids = [IDS, IDS[3:12]]
-    layerwise = layerwise_acceptance(converted["q4"], token_ids=ids, exact=True)
-    full = teacher_forced_full(load(converted["q4"]), ids)
+    layerwise = layerwise_acceptance(converted[option], token_ids=ids, exact=True)
+    full = teacher_forced_full(load(converted[option]), ids)
     assert layerwise.backbone_next == full.backbone_next
     assert layerwise.head_next == full.head_next and layerwise.head_next_without_mlp == full.head_next_without_mlp
 
