@@ -165,7 +165,8 @@ def _write(folder: Path, tensors: Dict[str, torch.Tensor], config: dict, head_pr
     folder.mkdir(parents=True, exist_ok=True)
     head = sorted(k for k in tensors if k.startswith(head_prefix))
     rest = sorted(k for k in tensors if not k.startswith(head_prefix))
-    chunks = [rest[i::shards - 1] for i in range(shards - 1)] + [head]
+    per = -(-len(rest) // (shards - 1))  # consecutive keys per shard, as the releases are cut
+    chunks = [rest[i * per:(i + 1) * per] for i in range(shards - 1)] + [head]
     weight_map = {}
     for i, chunk in enumerate(chunks):
         name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
