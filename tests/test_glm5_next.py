@@ -220,6 +220,14 @@ def test_the_sidecar_holds_the_nextn_layer_under_the_names_mlx_vlms_splitter_sel
     assert not any(".layers.4." in k for k in index)
 
 
+def test_the_card_runs_it_in_mlx_vlm_drafting_from_the_folder_itself(converted):
+    from mtpconvert.hub.card import model_card
+
+    card = model_card(converted["q4"], "me/glm5-4bit").split("## Use")[1]
+    assert "mlx-vlm loads it and drafts with its MTP head (`--draft-model glm5-4bit`" in card
+    assert "Stock mlx-lm" not in card
+
+
 def test_stock_mlx_lm_refuses_the_folder_by_name(converted):
     from mlx_lm.utils import load_model
 
