@@ -30,6 +30,7 @@ OPTIONS = {
     "bf16": ConvertOptions(),  # the release's dtype
     "q4": ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32)),
     "q4-match": ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32, mtp="match")),
+    "q4-mtpbits8": ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32, mtp_bits=8)),
 }
 
 
@@ -139,7 +140,7 @@ def test_experts_in_another_order_are_caught(release, converted, tmp_path):
 
 
 @pytest.mark.parametrize("route", ["mtp", "root"])
-@pytest.mark.parametrize("option", ["float32", "q4", "q4-match"])
+@pytest.mark.parametrize("option", ["float32", "q4", "q4-match", "q4-mtpbits8"])
 def test_mlx_vlm_drafts_with_the_folder_equal_to_plain_greedy(converted, route, option):
     from mlx_vlm.generate import generate_step
     from mlx_vlm.speculative.drafters import load_drafter
@@ -205,6 +206,28 @@ def test_verify_accepts_source_and_output_and_both_drafter_routes(release, conve
     nextn = [k for k in release.tensors if ".layers.4." in k and ".mlp.experts." not in k]
     head = json.loads((converted["q4"] / "config.json").read_text())["mlx_lm_extra_tensors"]
     assert head == {"mtp_file": "mtp.safetensors", "mtp_tensor_count": len(nextn) + 1 + 3}
+
+
+def test_a_head_at_other_bits_is_named_under_the_drafters_module_paths(converted, tmp_path):
+    """mlx-vlm's drafter looks a module's quantization up by its own path (``mtp_block.self_attn.qkv_a_proj``): the
+    config names the 8-bit head there too; without those entries the table says the drafter cannot use it."""
+    from mtpconvert.compat import check_folder
+
+    out = converted["q4-mtpbits8"]
+    block = json.loads((out / "config.json").read_text())["quantization"]
+    assert block["mtp_block.self_attn.qkv_a_proj"] == block["language_model.model.layers.4.self_attn.q_a_proj"]
+    assert block["mtp_block.self_attn.qkv_a_proj"]["bits"] == 8 and block["bits"] == 4
+    assert block["eh_proj"] is False  # never quantized
+    broken = tmp_path / "unnamed"
+    shutil.copytree(out, broken)
+    for name in ("config.json", "mtp/config.json"):
+        config = json.loads((broken / name).read_text())
+        for b in ("quantization", "quantization_config"):
+            config[b] = {k: v for k, v in config[b].items() if not k.startswith(("mtp_block.", "eh_proj"))}
+        (broken / name).write_text(json.dumps(config))
+    rows = {r.runtime: r for r in check_folder(broken).runtimes}
+    for runtime in ("mlx-vlm", "mlx-vlm-drafter"):
+        assert not rows[runtime].head_usable.ok and "default bits" in rows[runtime].head_usable.reason
 
 
 def test_the_sidecar_holds_the_nextn_layer_under_the_names_mlx_vlms_splitter_selects(converted):

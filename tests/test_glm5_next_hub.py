@@ -111,11 +111,16 @@ def headless(release, tmp_path):
     return out
 
 
-def test_add_mtp_from_a_local_release_gives_the_conversions_head(release, local, headless):
-    result = runner.invoke(app, ["add-mtp", str(release), str(headless), "--no-smoke"])
+@pytest.mark.parametrize("head", [[], ["--mtp-bits", "8"]], ids=["keep", "mtp-bits"])
+def test_add_mtp_from_a_local_release_gives_the_conversions_head(release, headless, tmp_path, head):
+    """The head, its files and its quantization entries (with --mtp-bits: under the drafter's module paths too) are
+    a conversion's with the same options."""
+    local = tmp_path / "local"
+    convert_folder(release, local, bits=4, group_size=32, mtp_bits=8 if head else None)
+    result = runner.invoke(app, ["add-mtp", str(release), str(headless), "--no-smoke", *head])
     assert result.exit_code == 0, result.output
-    assert tree_digest(headless / "mtp") == tree_digest(local / "mtp")
     assert (headless / "mtp.safetensors").read_bytes() == (local / "mtp.safetensors").read_bytes()
+    assert tree_digest(headless / "mtp") == tree_digest(local / "mtp")
     config, reference = (json.loads((f / "config.json").read_text()) for f in (headless, local))
     assert config["quantization"] == reference["quantization"]
     assert config["text_config"]["num_nextn_predict_layers"] == 1

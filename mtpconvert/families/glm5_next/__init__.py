@@ -128,10 +128,33 @@ def convs_raw(tensors: Mapping) -> bool:
     return any(flags.values())
 
 
+# the head's modules as mlx-vlm's drafter names them, where its splitter renames or its sanitize fuses them
+# (``split.py:41-59``, ``glm5_next_mtp.py:334-370``); any other X is ``mtp_block.X``
+DRAFTER_MODULES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "shared_head_norm",
+                   "self_attn.q_a_proj": "mtp_block.self_attn.qkv_a_proj",
+                   "self_attn.kv_a_proj_with_mqa": "mtp_block.self_attn.qkv_a_proj",
+                   "mlp.shared_experts.gate_proj": "mtp_block.mlp.shared_experts.gate_up_proj",
+                   "mlp.shared_experts.up_proj": "mtp_block.mlp.shared_experts.gate_up_proj"}
+
+
+def drafter_module(local: str) -> str:
+    """A head module (after ``layers.{N}.``) under the path mlx-vlm's drafter builds it at."""
+    return DRAFTER_MODULES.get(local, "mtp_block." + local)
+
+
+def drafter_entries(block: dict, num_layers: int) -> dict:
+    """The head's per-module quantization entries again under the drafter's module paths: its loader looks an entry
+    up by the module's own path only (``utils.py:272-295``), and takes the block's default for any other, so a head
+    at other bits than the backbone (``--mtp-bits``) would be built at the backbone's."""
+    prefix = f"{LAYERS}{num_layers}."
+    return {drafter_module(k[len(prefix):]): v for k, v in block.items() if k.startswith(prefix)}
+
+
 def loadable_config(config: dict) -> dict:
-    """The output config as mlx-vlm's ``TextConfig`` reads it (``models/glm5_next/config.py``): every per-layer list
-    written out (mlx-vlm fills an absent one otherwise than transformers), the sparse layers named
-    ``full_attention`` as the release names them."""
+    """The output config as mlx-vlm reads it: every per-layer list written out for its ``TextConfig``
+    (``models/glm5_next/config.py``: it fills an absent one otherwise than transformers), the sparse layers named
+    ``full_attention`` as the release names them, and the head's quantization entries under its drafter's paths
+    too (``drafter_entries``)."""
     out = copy.deepcopy(config)
     tc = out["text_config"]
     spec = model_spec(out)
@@ -139,6 +162,9 @@ def loadable_config(config: dict) -> dict:
     tc["indexer_types"] = ["full" if linear or full else "shared"
                            for linear, full in zip(spec.linear_layers, spec.full_indexer)]
     tc["mlp_layer_types"] = ["sparse" if sparse else "dense" for sparse in spec.sparse_mlp]
+    for name in ("quantization", "quantization_config"):
+        if isinstance(out.get(name), dict):
+            out[name].update(drafter_entries(out[name], spec.num_layers))
     return out
 
 

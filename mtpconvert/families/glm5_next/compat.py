@@ -22,6 +22,7 @@ from ...compat import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
 from ...compat.folder import Folder, _files_str
 from ...compat.head import _head
 from ...compat.report import RuntimeCompat, Verdict
+from . import drafter_module
 
 NO_BACKBONE = Verdict(None, "drafter folder: the head only, no backbone")
 NO_MLX_LM = Verdict(False, "mlx-lm has no glm5_next module (ValueError: Model type glm5_next not supported)")
@@ -73,8 +74,24 @@ def _head_verdict(folder: Folder, config: dict, files: List[str], route: str) ->
                               "has no parameter for: its strict load refuses it")
     if found.quantized and "quantization" not in config:
         return Verdict(False, f"{route}: the head is quantized but the config has no quantization block")
+    unnamed = _unnamed_for_the_drafter(config, found.quantized)
+    if unnamed:
+        return Verdict(False, f"{route}: the config gives {unnamed} its own quantization only under the folder's "
+                              "key, not under the drafter's module path: mlx-vlm would build it at the default bits")
     return Verdict(True, f"{route}: glm5_next_mtp drafter over {_files_str(found.files)} ({len(found.tensors)} "
                          "tensors; embedding and lm_head borrowed from the target)")
+
+
+def _unnamed_for_the_drafter(config: dict, quantized: List[str]) -> Optional[str]:
+    """The first quantized head module whose per-module entry the drafter's loader would not find (it looks one up
+    by its own module path only)."""
+    block = config.get("quantization") if isinstance(config.get("quantization"), dict) else {}
+    n = (config.get("text_config") or {}).get("num_hidden_layers")
+    for local in quantized:
+        entry = block.get(f"language_model.model.layers.{n}.{local}")
+        if entry is not None and block.get(drafter_module(local)) != entry:
+            return local
+    return None
 
 
 def _drafter_route(folder: Folder) -> Verdict:
