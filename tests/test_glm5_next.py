@@ -191,6 +191,32 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, opti
     assert layerwise.head_next == full.head_next and layerwise.head_next_without_mlp == full.head_next_without_mlp
 
 
+def test_streamed_layerwise_check_fed_shard_by_shard_equals_the_post_hoc_one(release, tmp_path):
+    """The check a streamed publish runs, each output shard freed as soon as it is returned: with shards so small
+    that the parts of one projection mlx-vlm fuses at load (``q_a_proj`` / ``kv_a_proj_with_mqa``) land in two, the
+    layer is fused when it is loaded, from what was held of each shard."""
+    from mtpconvert.families import family_for
+    from mtpconvert.hub.publish import stub_in_place
+    from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+    from mtpconvert.runtime.smoke.streamed import StreamedLayerwise
+
+    out = tmp_path / "small-shards"
+    api.convert(release.path, out, ConvertOptions(quant=QuantOptions(bits=4, group_size=32), max_shard_bytes=20_000),
+                checks=Gate(verify=False, smoke=False))
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    split = [i for i in (1, 2) if weight_map[f"language_model.model.layers.{i}.self_attn.q_a_proj.weight"]
+             != weight_map[f"language_model.model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"]]
+    assert split, "no fused pair spans two shards: the test would not test it"
+    posthoc = layerwise_acceptance(out, token_ids=[IDS])
+    streamed = StreamedLayerwise(weight_map, family_for(json.loads((out / "config.json").read_text())),
+                                 token_ids=[IDS])
+    for shard in sorted(set(weight_map.values())):
+        for done in streamed.feed(shard, out / shard):
+            stub_in_place(out / done)
+    result = streamed.finish()
+    assert result.backbone_next == posthoc.backbone_next and result.head_next == posthoc.head_next
+
+
 def test_verify_accepts_source_and_output_and_both_drafter_routes(release, converted):
     for folder in (release.path, converted["bf16"], converted["q4-match"]):
         report = api.verify(folder)

@@ -9,7 +9,11 @@ position, the sparse attention's latent, index and pooled-key caches trimmed). W
   (``run_layer``; a sparse-attention layer without an indexer of its own reuses the top-k of the last one that
   has one, carried through the linear layers as mlx-vlm's forward carries it), the streams' mean under the final
   norm (``close``: the post-norm hidden the nextn head reads), ``lm_head``;
-* the head: mlx-vlm's drafter modules (``head.Glm5NextHead``).
+* the head: mlx-vlm's drafter modules (``head.Glm5NextHead``);
+* the layerwise check reads a folder's tensors under their stored names (``sanitize``: the folder holds mlx-vlm's
+  names already) and fuses a layer's projections stored apart (``families/glm5_next/slots.py``) with mlx-vlm's own
+  sanitize only when it loads that layer (``layer_weights``): the streamed check opens one output shard at a time,
+  a layer's parts may be written to two, and it holds a layer's tensors by their stored names.
 """
 
 from __future__ import annotations
@@ -25,11 +29,21 @@ from .head import Glm5NextHead, head_weights
 
 
 class Glm5NextBackbone(Qwen4ExpBackbone):
-    """mlx-vlm's glm5_next model by role (module doc); loading, sanitizing and undoing as qwen4_exp's."""
+    """mlx-vlm's glm5_next model by role (module doc); loading and undoing as qwen4_exp's."""
 
     def __init__(self, model: nn.Module, family, config: dict):
         super().__init__(model, family, config)
         self._topk: Dict[Tuple[int, ...], mx.array] = {}  # prompt -> the top-k a shared indexer layer reuses
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """A converted folder's tensors as stored: mlx-vlm's names but for the parts it fuses, which
+        ``layer_weights`` fuses when their layer is loaded (module doc)."""
+        return dict(weights)
+
+    def layer_weights(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """One layer's stored tensors (full keys) as its module holds them: mlx-vlm's sanitize, which concatenates
+        the parts stored apart (``language.py:973-1053``)."""
+        return self.text.sanitize(dict(weights))
 
     def is_recurrent(self, layer: nn.Module) -> bool:
         return layer.is_linear

@@ -286,7 +286,8 @@ def _load_module(folder: _Folder, path: str, module: nn.Module) -> nn.Module:
     """``module`` (an empty one of the library's class) filled with the tensors stored under ``path``, quantized
     as load_model would."""
     prefix = path + "."
-    weights = {k: folder.weights.pop(k) for k in [k for k in folder.weights if k.startswith(prefix)]}
+    weights = folder.shell.layer_weights({k: folder.weights.pop(k) for k in [k for k in folder.weights
+                                                                            if k.startswith(prefix)]})
     _quantize(module, (prefix,), folder.quant, weights)
     module.load_weights([(k[len(prefix):], v) for k, v in weights.items()], strict=True)
     del weights  # the module now holds the only references
