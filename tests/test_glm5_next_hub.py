@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mtpconvert.cli import app
 from tests.checkpoints import convert_folder, tree_digest
 from tests.checkpoints_glm5_next import build
-from tests.hubserver import FakeHub
+from tests.hubserver import served_hub
 from tests.test_hub import pull_by_ranges, shard_digests
 
 pytest.importorskip("mlx_vlm", reason="the glm5_next backbone runs in mlx-vlm (pip install mtpconvert[vlm])")
@@ -30,13 +30,7 @@ def release(tmp_path_factory):
 
 @pytest.fixture()
 def hub(tmp_path, monkeypatch, release):
-    with FakeHub() as h:
-        monkeypatch.setenv("HF_ENDPOINT", h.url)
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
-        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-        monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)
+    with served_hub(tmp_path, monkeypatch) as h:
         h.add_folder(REPO, release)
         yield h
 
