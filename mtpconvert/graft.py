@@ -27,6 +27,7 @@ from .io.reader import TensorReader
 from .io.shard_writer import StreamingShardWriter
 from .execute.run import link_head
 from .families import family_for
+from .families.base import Family
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
 from .runtime.decoding.locate import HEAD_PREFIXES
@@ -46,9 +47,11 @@ def _existing_dtype(ckpt, family) -> str:
     return "bfloat16"
 
 
-def _head_config(config: dict, plan) -> dict:
+def _head_config(config: dict, plan, modules: Sequence[str] = ()) -> dict:
     """``config`` with the head's fields from the plan's config: layer count, the sidecar's
-    extra-tensor record and hidden-state mode, and the head's quantization entries."""
+    extra-tensor record and hidden-state mode, and the head's quantization entries (those under the head's
+    prefixes, and any other the folder lacks that names none of its ``modules``: a family's entries for the
+    head's modules as its runtime names them, ``Family.loadable_config``)."""
     config = dict(config)
     tc = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     planned_tc = plan.config.get("text_config", plan.config)
@@ -57,11 +60,26 @@ def _head_config(config: dict, plan) -> dict:
         tc["mtp_hidden_state_mode"] = planned_tc["mtp_hidden_state_mode"]
     if "mlx_lm_extra_tensors" in plan.config:
         config["mlx_lm_extra_tensors"] = plan.config["mlx_lm_extra_tensors"]
+    head = (plan.family.sidecar_prefix, *HEAD_PREFIXES)
+    stored = set(modules)
     for block in ("quantization", "quantization_config"):
         if block in config:
             config[block] = {**config[block], **{k: v for k, v in plan.config.get(block, {}).items()
-                                                 if k.startswith(HEAD_PREFIXES)}}
+                                                 if k.startswith(head) or (k not in config[block]
+                                                                           and k not in stored)}}
     return config
+
+
+def _is_head_key(family: Family) -> Callable[[str], bool]:
+    """Whether a source key is (a part of) one of the head's tensors, by the family's own mapping: ``mtp.*`` for
+    Qwen, the nextn layer ``model.layers.{N}.*`` for GLM."""
+    def is_head(key: str) -> bool:
+        try:
+            return any(m.target is not None and family.is_head(m.target) for m in family.contributions(key))
+        except LayoutError:
+            return False
+
+    return is_head
 
 
 def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optional[int] = None,
@@ -71,7 +89,7 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
     return the added tensor names. ``absent``: source shards left out on purpose (vision only)."""
     mlx_dir = Path(mlx_dir)
     existing = open_checkpoint(mlx_dir)
-    if any(k.startswith(HEAD_PREFIXES) for k in existing.tensors):
+    if any(k.startswith((family_for(existing.config).sidecar_prefix, *HEAD_PREFIXES)) for k in existing.tensors):
         raise LayoutError("the folder already has MTP tensors", file=mlx_dir, hint="nothing to add")
     q = existing.config.get("quantization") or {}
     quant = QuantOptions(q.get("bits"), q.get("group_size"), q.get("mode", "affine"), mtp, mtp_bits)
@@ -111,7 +129,8 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
         finally:
             reader.close()
 
-        config = _head_config(existing.config, plan)
+        modules = {k.rsplit(".", 1)[0] for k in existing.tensors}
+        config = _head_config(existing.config, plan, modules)
         folder.write_json("config.json", config)
         index = json.loads((mlx_dir / INDEX_NAME).read_text()) if (mlx_dir / INDEX_NAME).exists() else {
             "metadata": {}, "weight_map": {k: s for s in existing.shards for k in existing.headers[s].tensors}}
@@ -147,8 +166,9 @@ def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = N
             if name in sizes:
                 shutil.copyfile(hf_hub_download(repo_id, name, revision=pull.sha, token=token,
                                                 endpoint=hub.endpoint(), cache_dir=hub.cache_dir()), mirror / name)
-        fetched = fetch_sparse(repo_id, pull.sha, {n: sizes[n] for n in shard_names}, mirror,
-                               lambda k: k.startswith("mtp."), token)
+        family = family_for(json.loads((mirror / "config.json").read_text()))
+        fetched = fetch_sparse(repo_id, pull.sha, {n: sizes[n] for n in shard_names}, mirror, _is_head_key(family),
+                               token)
         added = graft(mirror, mlx_dir, mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check,
                       absent=pull.skipped_shards)
     return {"sha": pull.sha, "fetched_bytes": fetched, "source_bytes": sum(sizes[n] or 0 for n in shard_names),

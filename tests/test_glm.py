@@ -231,3 +231,18 @@ def test_batched_decoding_is_refused_with_the_reason(converted):
         bench(converted["float"], BenchOptions(concurrency=(1, 2), max_tokens=4))
     with pytest.raises(ValueError, match=r"batched MTP does not run the glm\w+ family \(nextn head\)"):
         run_batch(load(converted["float"]), [Stream(IDS[:8], 4)], 1, "mtp")
+
+
+def test_the_card_says_which_drafter_route_mlx_vlm_takes(raw, converted):
+    """mlx-vlm's splitter looks for a GLM head at model.layers.{num_hidden_layers}.* and finds none at the root of
+    a folder that keeps it in mtp/: the card sends GLM-5 users to OUT/mtp, and offers GLM-4.x none (its runtime
+    table gives no mlx-vlm drafter); the backbone is stock mlx-lm's."""
+    from mtpconvert.hub.card import model_card
+
+    card = model_card(converted["q4"], "me/tiny-4bit").split("## Use")[1]
+    assert "Stock mlx-lm loads it" in card
+    if raw.model_type == "glm_moe_dsa":
+        assert "drafts with its MTP head (`--draft-model tiny-4bit/mtp`" in card
+        assert "--draft-model tiny-4bit/mtp --draft-kind mtp" in card and "--draft-model tiny-4bit " not in card
+    else:
+        assert "--draft-model" not in card

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ..errors import LayoutError
 from ..io.files import contained, contained_glob, special_file
+from ..io.head_files import sidecar_prefixes
 from ..plan.head import MTP_DRAFTER_CONFIG
 from .report import Verdict
 
@@ -232,9 +233,11 @@ def _places(folder: Folder) -> List[str]:
     other file holding head keys (prefixed or bare)."""
     places = ["in-model"] if _keys_with(folder, _backbone_shards(folder), lambda k: "mtp." in k) else []
     shards = set(_backbone_shards(folder))
+    # a family may name its sidecar's keys otherwise (Family.sidecar_prefix: GLM-5.3-Flash's nextn layer)
+    own = tuple(p for p in sidecar_prefixes(folder.config) if "mtp." not in p)
     for name in sorted(folder.headers):
         keys = _tensors(folder.headers[name])
-        if name not in shards and any("mtp." in k or _is_bare_head_key(k) for k in keys):
+        if name not in shards and any("mtp." in k or _is_bare_head_key(k) or k.startswith(own) for k in keys):
             places.append(name)
     return places
 

@@ -152,12 +152,20 @@ def quantized_in_numpy(item: PlanItem) -> bool:
             and npquant.supports(item.sources[0].dtype, item.dtype, q.bits, q.group_size, q.mode))
 
 
+def _source_rows(block: Block) -> Tuple[int, int]:
+    """The rows of a one-source block's source it reads: its own rows, but the whole kv_b_proj for a part of one
+    (``read_block`` splits the whole tensor per head: the block's rows are heads, not source rows)."""
+    if block.item.gather in KV_B_PARTS:
+        return 0, leading_rows(block.item.sources[0].shape)
+    return block.start, block.stop
+
+
 def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[int, ...]]]:
     """(file, byte offset, shape) of each contiguous run of the block's source rows, in output row order."""
     item, a, b = block.item, block.start, block.stop
     if item.gather is Gather.STACK:  # one whole expert per output row
         return [(str(info.file), info.start, info.shape) for info in (ckpt.tensors[s.key] for s in item.sources[a:b])]
-    return _rows_runs(ckpt.tensors[item.sources[0].key], item.gather, a, b)
+    return _rows_runs(ckpt.tensors[item.sources[0].key], item.gather, *_source_rows(block))
 
 
 def _scale_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[int, ...]]]:
@@ -170,7 +178,7 @@ def _scale_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[in
     if not is_block_scale(source.scale.key):  # one value for the whole tensor
         info = ckpt.tensors[source.scale.key]
         return [(str(info.file), info.start, info.shape)]
-    return _rows_runs(ckpt.tensors[source.scale.key], item.gather, *scale_rows(source.shape, a, b)[:2])
+    return _rows_runs(ckpt.tensors[source.scale.key], item.gather, *scale_rows(source.shape, *_source_rows(block))[:2])
 
 
 def _scale_offset(block: Block) -> int:

@@ -180,12 +180,12 @@ class ModulePaths:
     def unit_of(self, key: str, head_prefixes: Iterable[str]) -> str:
         """What the layerwise check holds a stored tensor for: ``layer N``, ``mtp`` (the head), ``embed_tokens``,
         ``lm_head``, ``norm`` (the final one) or ``other``."""
+        if key.startswith(tuple(head_prefixes)):  # first: a head may be stored under a layer's name (a nextn layer)
+            return "mtp"
         if key.startswith(self.layers + "."):
             index = key[len(self.layers) + 1:].split(".", 1)[0]
             if index.isdigit():
                 return f"layer {index}"
-        if key.startswith(tuple(head_prefixes)):
-            return "mtp"
         for unit, path in (("embed_tokens", self.embed), ("lm_head", self.lm_head), ("norm", self.norm)):
             if key.startswith(path + "."):
                 return unit
@@ -248,6 +248,10 @@ class Family:
     single_layer_head: bool = False
     # rules that depend on the config (the nextn layer's index): config -> the family with those hooks bound
     bind: Optional[Callable[["Family", dict], "Family"]] = None
+    # the key prefix of the head's tensors in the sidecar (``mtp.X`` for head module ``X``); a family whose head
+    # only mlx-vlm's splitter reads names them as that splitter selects them (GLM-5.3-Flash: the nextn layer's
+    # ``language_model.model.layers.{N}.``, set by ``bind``)
+    sidecar_prefix: str = "mtp."
 
     @property
     def mtp_count_key(self) -> str:

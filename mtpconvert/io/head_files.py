@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConvertError, LayoutError, SafetensorsError
-from ..families import FAMILIES
+from ..families import FAMILIES, family_for
 from .files import contained, contained_glob, same_bytes
 from .header import Header, TensorInfo, read_header
 
@@ -30,6 +30,16 @@ SIDECAR_PREFIX = "mtp."  # the sidecar's key prefix (plan.head.SIDECAR_PREFIX)
 IN_MODEL_PREFIXES = tuple(dict.fromkeys(family.head_prefix for family in FAMILIES))
 HEAD_PREFIXES = (SIDECAR_PREFIX, *IN_MODEL_PREFIXES)
 EXTRA = "mlx_lm_extra_tensors"
+
+
+def sidecar_prefixes(config: dict) -> Tuple[str, ...]:
+    """The key prefixes a sidecar's head may have: its family's (``Family.sidecar_prefix``, which may depend on the
+    config) first, then every family's."""
+    try:
+        own: Tuple[str, ...] = (family_for(config).sidecar_prefix,)
+    except ConvertError:  # no family takes the config: the shared prefixes only
+        own = ()
+    return tuple(dict.fromkeys(own + HEAD_PREFIXES))
 
 
 @dataclass
@@ -90,7 +100,7 @@ def head_problems(path: Path, headers: Optional[Sequence[Header]], config: dict,
             what = f"the MTP file named by config.json ({EXTRA}.mtp_file)" if named else "MTP file"
             file = contained(path, name, what, file=cfg if named else None)
             sidecar_header = read_named_header(path, name, config)
-            found = _head_in([sidecar_header], HEAD_PREFIXES)
+            found = _head_in([sidecar_header], sidecar_prefixes(config))
             if found:
                 sidecar = HeadTensors("sidecar", *found)
             elif named:
@@ -131,7 +141,7 @@ def head_problems(path: Path, headers: Optional[Sequence[Header]], config: dict,
                 code="mtp-two-places"))
         if sidecar is None and in_model is not None and not os.path.lexists(path / name):
             for alias in aliases:
-                if _head_in([read_header(contained(path, alias, "MTP file"))], HEAD_PREFIXES):
+                if _head_in([read_header(contained(path, alias, "MTP file"))], sidecar_prefixes(config)):
                     problems.append(LayoutError(
                         f"the MTP head is in two places: {alias} and the model shards; runtimes would read one or "
                         "the other", file=path / alias, code="mtp-two-places"))

@@ -51,8 +51,8 @@ def place_head(items: List[PlanItem], layout: str, family: Family, num_experts: 
 
 
 def sidecar_slot(slot: Slot, family: Family) -> Slot:
-    """A head slot under its sidecar name."""
-    return dataclasses.replace(slot, name=SIDECAR_PREFIX + slot.name[len(family.head_prefix):])
+    """A head slot under its sidecar name (``mtp.X``, or the family's ``sidecar_prefix``)."""
+    return dataclasses.replace(slot, name=family.sidecar_prefix + slot.name[len(family.head_prefix):])
 
 
 def _raw_experts(item: PlanItem, num_experts: int) -> List[PlanItem]:

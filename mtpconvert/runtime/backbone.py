@@ -191,6 +191,16 @@ class Backbone:
         """An empty head of the family's design (``HeadDesign.forward``), ``num_layers`` decoder layers deep."""
         raise NotImplementedError
 
+    def layer_weights(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """One module's tensors (full keys, as ``sanitize`` gave them) under the names that module holds, when the
+        layerwise check loads it: as given, but for a family whose ``sanitize`` leaves a fusion to load time."""
+        return weights
+
+    def head_weights(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """The head's stored tensors (head-local names, experts stacked) under the names ``make_head``'s module
+        holds them: as stored, but for a head built from a library's modules that renames or fuses at load."""
+        return weights
+
 
 class TextModelBackbone(Backbone):
     """A model mlx-lm builds from its ``models/<module>.py`` (see the module doc)."""

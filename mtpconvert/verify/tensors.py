@@ -19,7 +19,6 @@ from ..io.checkpoint import INDEX_NAME, MTP_FILE, Checkpoint
 from ..io.header import mlx_dtype_name
 from ..io.reader import TensorReader
 from ..plan import fp8
-from ..plan.head import SIDECAR_PREFIX
 from .foreign import missing_head_message
 from .report import ERROR, INFO, WARNING, Report
 
@@ -38,14 +37,15 @@ def check_sources(ckpt: Checkpoint, report: Report) -> None:
 
 
 def canonical_module(module: str, family: Family) -> str:
-    """A stored module path under its canonical MLX name: the sidecar's ``mtp.X`` is the family's
-    head prefix + ``X`` (``language_model.mtp.X``)."""
-    return family.head_prefix + module[len(SIDECAR_PREFIX):] if module.startswith(SIDECAR_PREFIX) else module
+    """A stored module path under its canonical MLX name: the sidecar's ``mtp.X`` (``Family.sidecar_prefix``) is
+    the family's head prefix + ``X`` (``language_model.mtp.X``)."""
+    prefix = family.sidecar_prefix
+    return family.head_prefix + module[len(prefix):] if module.startswith(prefix) else module
 
 
 def sidecar_module(module: str, family: Family) -> str:
-    """A canonical head module under its sidecar name (``mtp.X``)."""
-    return SIDECAR_PREFIX + module[len(family.head_prefix):]
+    """A canonical head module under its sidecar name (``mtp.X``, ``Family.sidecar_prefix``)."""
+    return family.sidecar_prefix + module[len(family.head_prefix):]
 
 
 def _config_file(ckpt: Checkpoint) -> Path:
@@ -158,7 +158,7 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
         if QUANT_AUX.search(key) or fp8.is_scale(key):
             continue
         group = "vision" if "visual" in key or key.startswith("vision_tower") else (
-            MTP if key.startswith((SIDECAR_PREFIX, family.head_prefix)) else "backbone")
+            MTP if key.startswith((family.sidecar_prefix, family.head_prefix)) else "backbone")
         dtypes[group][mlx_dtype_name(info.dtype)] += 1
     report.dtypes = {g: dict(c) for g, c in dtypes.items()}
 

@@ -130,4 +130,30 @@ def bound_float_experts(module: nn.Module, budget_bytes: Optional[int] = None) -
                     if isinstance(child, nn.Module) and is_float_switch_glu(child)}
         if children:
             parent.update_modules(children)
-    return n
+    # mlx-vlm's stacks, whose SwitchGLU has a forward of its own, cast whole (mlx-lm's are bounded above)
+    return n + cast_float_experts(module, switch_linear_classes()[1:])
+
+
+def switch_linear_classes() -> tuple:
+    """The float expert-stack classes: mlx-lm's ``SwitchLinear`` and, where installed, mlx-vlm's."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    try:
+        from mlx_vlm.models.switch_layers import SwitchLinear as VlmSwitchLinear
+    except ImportError:
+        return (SwitchLinear,)
+    return (SwitchLinear, VlmSwitchLinear)
+
+
+def cast_float_experts(module: nn.Module, classes: Optional[tuple] = None) -> int:
+    """On the CPU, cast every float expert stack (of ``classes``; None: ``switch_linear_classes``) that is not
+    float32 to float32, whole; return how many."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    classes = switch_linear_classes() if classes is None else classes
+    cast = 0
+    for _, m in module.named_modules():
+        if type(m) in classes and m.weight.dtype != mx.float32:
+            m.weight = m.weight.astype(mx.float32)
+            cast += 1
+    return cast

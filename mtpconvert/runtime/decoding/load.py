@@ -16,7 +16,6 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchLinear
 from mlx_lm.utils import infer_quant_config
 
 from ...errors import LayoutError
@@ -24,6 +23,7 @@ from ...families import family_for
 from ...families.base import RAW_TEXT, RAW_VLM, Family
 from ...io.checkpoint import load_json, open_checkpoint
 from ..backbone import Backbone
+from .experts import cast_float_experts
 from .heads import stack_experts
 from .locate import HEAD_PREFIXES, locate_mtp
 
@@ -75,19 +75,13 @@ def _mtp_weights(path: Path, family: Family) -> Dict[str, mx.array]:
 
 
 def float32_experts_on_cpu(module: nn.Module) -> int:
-    """Cast float expert stacks to float32 when running on the CPU; return how many were cast.
+    """Cast float expert stacks (mlx-lm's or mlx-vlm's) to float32 when running on the CPU; return how many were
+    cast.
 
     MLX's CPU ``gather_mm`` is float32-only, so a bf16/fp16 MoE cannot run there as stored;
     in float32 it runs (quantized experts use ``gather_qmm`` and are left alone).
     """
-    if mx.default_device() != mx.cpu:
-        return 0
-    cast = 0
-    for _, m in module.named_modules():
-        if type(m) is SwitchLinear and m.weight.dtype != mx.float32:
-            m.weight = m.weight.astype(mx.float32)
-            cast += 1
-    return cast
+    return cast_float_experts(module)
 
 
 def _refuse_raw(path: Path) -> None:
@@ -111,7 +105,7 @@ def load(path: Path, lazy: bool = False) -> MTPModel:
     backbone = family.backbone_class().load(path, family, lazy=lazy)
     config = backbone.config
     n = family.spec(config).mtp_layers or 0  # the family's count keys (Qwen3-Next also num_nextn_predict_layers)
-    weights = _mtp_weights(path, family)
+    weights = backbone.head_weights(_mtp_weights(path, family))
     if n == 0 or not weights:
         raise LayoutError(
             "no MTP head: " + ("config says mtp_num_hidden_layers=0" if n == 0

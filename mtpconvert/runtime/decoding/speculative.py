@@ -106,8 +106,9 @@ class DecodeStats:
 
 
 def cache_offset(cache) -> int:
-    """Tokens an attention layer's cache holds (GLM-5's CacheList: its first cache's)."""
-    return cache[0].offset if isinstance(cache, CacheList) else cache.offset
+    """Tokens an attention layer's cache holds (a CacheList, mlx-lm's for GLM-5 or mlx-vlm's for GLM-5.3-Flash:
+    its first cache's)."""
+    return cache[0].offset if isinstance(cache, CacheList) or not hasattr(cache, "offset") else cache.offset
 
 
 def linear_states(cache: list) -> List[mx.array]:

@@ -286,7 +286,8 @@ def _load_module(folder: _Folder, path: str, module: nn.Module) -> nn.Module:
     """``module`` (an empty one of the library's class) filled with the tensors stored under ``path``, quantized
     as load_model would."""
     prefix = path + "."
-    weights = {k: folder.weights.pop(k) for k in [k for k in folder.weights if k.startswith(prefix)]}
+    weights = folder.shell.layer_weights({k: folder.weights.pop(k) for k in [k for k in folder.weights
+                                                                            if k.startswith(prefix)]})
     _quantize(module, (prefix,), folder.quant, weights)
     module.load_weights([(k[len(prefix):], v) for k, v in weights.items()], strict=True)
     del weights  # the module now holds the only references
@@ -310,7 +311,7 @@ def _load_head(folder: _Folder, head_tensors: HeadTensors) -> nn.Module:
             if full in lazy and head_tensors.tensors[k].file == f:
                 weights[k] = lazy[full]
         del lazy
-    weights = stack_experts(weights, folder.family)
+    weights = folder.shell.head_weights(stack_experts(weights, folder.family))
     head = folder.shell.make_head(1)
     for name in ("embed_tokens", "shared_head"):
         head.pop(name, None)  # read by row blocks (head_vocab), not held

@@ -33,7 +33,7 @@ def folder_weight_bytes(path: Path) -> int:
 def unit_of(key: str, family: Family) -> str:
     """What the check holds a converted tensor of ``family``'s for: ``layer N``, ``mtp`` (the head, in the
     sidecar or in the shards), ``embed_tokens``, ``lm_head``, ``norm`` (the final one) or ``other``."""
-    return family.module_paths.unit_of(key, (SIDECAR_PREFIX, family.head_prefix))
+    return family.module_paths.unit_of(key, (SIDECAR_PREFIX, family.sidecar_prefix, family.head_prefix))
 
 
 def folder_family(path: Path) -> Family:
