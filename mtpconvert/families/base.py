@@ -86,6 +86,7 @@ class Gather(str, Enum):
     VISION_PATCH = "vision_patch"  # Conv3d patch embedding, moved to channels-last
     EMBED_Q = "embed_q"  # MLA kv_b_proj [heads*(nope+v), kv_lora] -> per head [heads, kv_lora, nope] (transposed)
     UNEMBED_OUT = "unembed_out"  # the same kv_b_proj -> per head [heads, v, kv_lora]
+    GROUPS = "groups"  # a [G * R, C] matrix as [G, R, C]: the groups of a grouped projection (MultiLinear)
 
     @property
     def half(self) -> int:

@@ -75,11 +75,12 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
     aux: Dict[str, Dict[str, str]] = defaultdict(dict)  # canonical module -> {scales|biases: key}
     targets: Dict[str, List] = defaultdict(list)
     expert_styles = Counter()
+    scales = fp8.scale_keys(ckpt.tensors)
     for key in ckpt.tensors:
         if m := QUANT_AUX.search(key):
             aux[canonical_module(key[: m.start()], family)][m.group(1)] = key
             continue
-        if fp8.is_scale(key) or fp8.refused_format(key):
+        if key in scales or fp8.refused_format(key):
             continue  # checked with their weights (_check_sources)
         try:
             mapped = family.contributions(key)
@@ -155,7 +156,7 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
 
     dtypes: Dict[str, Counter] = defaultdict(Counter)
     for key, info in ckpt.tensors.items():
-        if QUANT_AUX.search(key) or fp8.is_scale(key):
+        if QUANT_AUX.search(key) or key in scales:
             continue
         group = "vision" if "visual" in key or key.startswith("vision_tower") else (
             MTP if key.startswith((SIDECAR_PREFIX, family.head_prefix)) else "backbone")
