@@ -47,9 +47,12 @@ MULTI = "multi"  # per-head matrices of an MLA attention (embed_q / unembed_out)
 ROWS = "rows"
 PARAM = "param"  # dt_bias, biases, a bare router weight, a LayerNorm: cast only
 BUFFER = "buffer"  # an integer table the model computes from its config (n-gram hashing): kept as stored
+# a parameter its model keeps in float32 whatever the weights' dtype (DeepSeek-V4's hyper-connection mixes and
+# attention sinks: mlx-vlm's cast_predicate leaves them): cast only, to float32
+F32_PARAM = "f32_param"
 
 QUANTIZABLE = (EMBEDDING, LINEAR, SWITCH, ROUTER, FC, MULTI, ROWS)
-FLOAT32_KINDS = (A_LOG, ROUTER_BIAS)  # kept float32 whatever --dtype says, as mlx-lm does
+FLOAT32_KINDS = (A_LOG, ROUTER_BIAS, F32_PARAM)  # kept float32 whatever --dtype says, as mlx-lm does
 
 # Slot groups
 BACKBONE = "backbone"

@@ -49,10 +49,7 @@ def _ref(ckpt: Checkpoint, key: str) -> SourceRef:
 
 
 def _stored(ckpt: Checkpoint, key: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    """The shape a source of the logical ``shape`` is stored in: MXFP4 packs two codes a byte."""
-    if ckpt.tensors[key].dtype in fp8.FP4_PACKED and fp8.scale_key(key, ckpt.tensors) is not None:
-        return (*shape[:-1], shape[-1] // 2)
-    return tuple(shape)
+    return fp8.stored_shape(key, ckpt.tensors, shape)
 
 
 def _shape_error(ckpt: Checkpoint, key: str, expected, got) -> LayoutError:
@@ -427,8 +424,6 @@ def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) ->
     for i, group in enumerate(groups):
         for item in group:
             item.shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
 
 
 def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision: bool, mtp_count_key: str) -> dict:

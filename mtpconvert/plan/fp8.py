@@ -168,6 +168,13 @@ def scale_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     return (*shape[:-2], *(math.ceil(d / BLOCK) for d in shape[-2:]))
 
 
+def stored_shape(key: str, tensors: Mapping, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The shape a source of the logical ``shape`` is stored in: MXFP4 packs two codes a byte."""
+    if tensors[key].dtype in FP4_PACKED and scale_key(key, tensors) is not None:
+        return (*shape[:-1], shape[-1] // 2)
+    return tuple(shape)
+
+
 def mx_scale_shape(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     """The scales of an MXFP4 tensor stored as ``shape`` (two codes a byte): one per 32 inputs of each row."""
     return (*shape[:-1], shape[-1] * 2 // MX_GROUP)

@@ -1,0 +1,266 @@
+"""DeepSeek-V4-Flash (``deepseek_v4``): tiny releases made with transformers' own classes
+(``tests.checkpoints_deepseek_v4``), BF16 and FP8-E8M0 + MXFP4, converted, then checked against the consumers:
+mlx-vlm 0.7.10 loads the backbone and matches transformers' float32 logits, its own splitter makes of the raw
+source exactly the head the folder holds, its drafter loads ``OUT/mtp`` strictly and MTP-decodes equal to plain
+greedy, our runtime's MTP decode through the family's adapter equals plain greedy, the MXFP4 experts are the source's
+bytes, and the FP8 release converts to what its exact dequantization converts to."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from mtpconvert import api
+from mtpconvert.gate import Gate
+from mtpconvert.options import ConvertOptions, QuantOptions
+from tests.checkpoints_deepseek_v4 import build, reference_head_logits, reference_logits
+
+mlx_vlm = pytest.importorskip("mlx_vlm", reason="the deepseek_v4 backbone runs in mlx-vlm (pip install mtpconvert[vlm])")
+
+IDS = [5, 17, 1, 42, 99, 7, 3, 200, 11, 64, 13, 8, 77, 21]
+NO_CHECKS = Gate(verify=True, smoke=False)
+Q4 = QuantOptions(bits=4, group_size=32)
+OPTIONS = {
+    "float32": ConvertOptions(dtype="float32"),
+    "bfloat16": ConvertOptions(dtype="bfloat16"),
+    "q4": ConvertOptions(dtype="float32", quant=Q4),
+    "q4-match": ConvertOptions(dtype="float32", quant=QuantOptions(bits=4, group_size=32, mtp="match")),
+    # the release's own quantization: FP8 + E8M0 as mxfp8, MXFP4 as mxfp4, the head too
+    "mxfp8-match": ConvertOptions(dtype="float32", quant=QuantOptions(bits=8, group_size=32, mode="mxfp8",
+                                                                     mtp="match")),
+    # the same at the release's float dtype: the head's norms and router stay bfloat16, as the splitter reads them
+    "mxfp8-match-bf16": ConvertOptions(dtype="bfloat16", quant=QuantOptions(bits=8, group_size=32, mode="mxfp8",
+                                                                           mtp="match")),
+}
+CONVERSIONS = {"bf16": ("float32", "bfloat16", "q4", "q4-match"), "fp8": ("float32", "q4", "mxfp8-match", "mxfp8-match-bf16"),
+               "fp8-dequantized": ("float32", "q4")}
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    return {"bf16": build(root / "bf16"), "fp8": build(root / "fp8", form="fp8")}
+
+
+def source(releases, name: str) -> Path:
+    return releases["fp8"].reference if name == "fp8-dequantized" else releases[name].path
+
+
+@pytest.fixture(scope="module")
+def converted(releases, tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek_v4_out")
+    return {(name, option): api.convert(source(releases, name), root / f"{name}-{option}", OPTIONS[option],
+                                        checks=NO_CHECKS).out
+            for name, options in CONVERSIONS.items() for option in options}
+
+
+def vlm_model(path: Path):
+    from mlx_vlm.utils import load_model
+
+    return load_model(Path(path))
+
+
+def vlm_logits(model, ids) -> np.ndarray:
+    """Logits of one whole pass over ``ids`` with mlx-vlm's own caches (without them its compressed attention lets
+    every query see every pooled window: docs/interop.md)."""
+    text = model.language_model
+    return np.array(text(mx.array([ids]), cache=text.make_cache()).logits[0])
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8"])
+def test_mlx_vlm_loads_the_backbone_and_matches_transformers(releases, converted, name):
+    reference = reference_logits(releases[name].reference, IDS)
+    logits = vlm_logits(vlm_model(converted[name, "float32"]), IDS)
+    assert np.abs(logits - reference).max() < 1e-4
+    assert (logits.argmax(-1) == reference.argmax(-1)).all()
+
+
+def test_mlx_vlm_decodes_compressed_layers_apart_from_transformers_as_documented(releases, converted):
+    """mlx-vlm 0.7.10 (docs/interop.md): one token at a time, its ratio-4 compressor loses the overlap half of the
+    window completed in an earlier call, so decoding drifts from transformers' (whose token-by-token pass equals its
+    whole one) once the second window closes; a whole pass matches. What the tests compare is chosen by this."""
+    reference = reference_logits(releases["bf16"].reference, IDS)
+    text = vlm_model(converted["bf16", "float32"]).language_model
+    cache = text.make_cache()
+    stepped = np.concatenate([np.array(text(mx.array([[t]]), cache=cache).logits[0]) for t in IDS])
+    assert np.abs(stepped[:7] - reference[:7]).max() < 1e-4
+    assert np.abs(stepped - reference).max() > 1e-3
+
+
+def test_the_head_computes_what_transformers_modules_compute(releases, converted, tmp_path):
+    """Teacher-forced through our runtime (the family's adapter and head): the head's logits for token t+2 are the
+    release's MTP block composed of transformers' deepseek_v4 modules."""
+    from mtpconvert.runtime.decoding.load import load
+
+    reference = reference_head_logits(releases["bf16"].reference, IDS, tmp_path / "head")
+    m = load(converted["bf16", "float32"])
+    tokens = mx.array([IDS])
+    _, hidden = m.backbone.forward(tokens, m.backbone.make_cache())
+    state = m.head(hidden[:, :-1], m.embed(tokens[:, 1:]), m.head.make_cache())
+    logits = np.array(m.draft_logits(state)[0])
+    assert logits.shape == reference.shape and np.abs(logits - reference).max() < 1e-4
+
+
+def _parameters(model) -> dict:
+    from mlx.utils import tree_flatten
+
+    return dict(tree_flatten(model.parameters()))
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    """The same dtype, shape and bytes."""
+    bits = {2: mx.uint16, 4: mx.uint32}.get(a.dtype.size) if a.dtype in (mx.bfloat16, mx.float16, mx.float32) else None
+    return a.dtype == b.dtype and a.shape == b.shape and bool(mx.array_equal(a.view(bits), b.view(bits)) if bits
+                                                                else mx.array_equal(a, b))
+
+
+def _values(model) -> dict:
+    """Every parameter of a drafter as float32 values, its quantized modules dequantized."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    out = {k: np.array(v.astype(mx.float32)) for k, v in _parameters(model).items()
+           if not k.endswith((".scales", ".biases")) and v.dtype != mx.uint32}
+    for path, m in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module):
+        if hasattr(m, "scales"):
+            w = mx.dequantize(m.weight, m.scales, getattr(m, "biases", None), group_size=m.group_size, bits=m.bits,
+                              mode=m.mode, dtype=mx.float32)
+            out[path + ".weight"] = np.array(w)
+    return out
+
+
+def test_the_head_is_what_mlx_vlms_splitter_makes_of_the_raw_source(releases, converted):
+    """``load_drafter(OUT/mtp)`` against ``load_drafter(RAW)`` (mlx-vlm's splitter over the release): the BF16
+    release's head, converted at bfloat16, is the same arrays bit for bit; the FP8 release's head holds the same
+    values, dequantized exactly at float32, or as the splitter's own mxfp8 / mxfp4 bytes under --q-mode mxfp8."""
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    def drafter(path):
+        return load_drafter(str(path), kind="mtp")[0]
+
+    ours, theirs = _parameters(drafter(converted["bf16", "bfloat16"] / "mtp")), _parameters(
+        drafter(releases["bf16"].path))
+    assert sorted(ours) == sorted(theirs)
+    assert all(_same(ours[k], theirs[k]) for k in ours)
+    raw = drafter(releases["fp8"].path)
+    exact, values = _values(drafter(converted["fp8", "float32"] / "mtp")), _values(raw)
+    assert sorted(exact) == sorted(values) and all(np.array_equal(exact[k], values[k]) for k in exact)
+    carried, theirs = _parameters(drafter(converted["fp8", "mxfp8-match-bf16"] / "mtp")), _parameters(raw)
+    assert sorted(carried) == sorted(theirs) and any(k.endswith(".scales") for k in carried)
+    assert all(_same(carried[k], theirs[k]) for k in carried)
+
+
+DRAFTS = [("bf16", "float32", "mtp"), ("bf16", "float32", "root"), ("bf16", "q4", "mtp"), ("bf16", "q4-match", "mtp"),
+          ("fp8", "q4", "mtp"), ("fp8", "q4", "root"), ("fp8", "mxfp8-match", "mtp"), ("fp8", "mxfp8-match", "root")]
+
+
+@pytest.mark.parametrize("name, option, route", DRAFTS, ids=["-".join(d) for d in DRAFTS])
+def test_mlx_vlm_drafts_with_the_folder_equal_to_plain_greedy(converted, name, option, route):
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    out = converted[name, option]
+    model = vlm_model(out)
+    drafter, kind = load_drafter(str(out / "mtp" if route == "mtp" else out), kind="mtp")
+    prompt = mx.array([IDS])
+    drafted = [int(t) for t, _ in generate_step(prompt, model, None, None, max_tokens=24, temperature=0.0,
+                                                 draft_model=drafter, draft_kind=kind)]
+    plain = [int(t) for t, _ in generate_step(prompt, model, None, None, max_tokens=24, temperature=0.0)]
+    assert drafter.draft_lens, "mlx-vlm fell back to plain decoding: the drafter did not run"
+    assert drafted == plain
+
+
+def test_a_head_quantized_otherwise_than_the_splitter_assumes_loads_only_from_its_drafter_folder(converted):
+    """--mtp match at 4-bit affine: ``OUT/mtp`` restates the head's quantization and loads; the root route's splitter
+    describes the head by module name (mxfp8 projections) and its load fails, as the runtime table says."""
+    from mlx_vlm.speculative.drafters import load_drafter
+
+    out = converted["bf16", "q4-match"]
+    rows = {r.runtime: r for r in api.verify(out).runtimes}
+    assert rows["mlx-vlm-drafter"].head_usable.ok and not rows["mlx-vlm"].head_usable.ok
+    assert "--draft-model OUT/mtp" in rows["mlx-vlm"].head_usable.reason
+    load_drafter(str(out / "mtp"), kind="mtp")
+    with pytest.raises(ValueError):
+        load_drafter(str(out), kind="mtp")
+
+
+@pytest.mark.parametrize("name, option", [("bf16", "float32"), ("fp8", "q4")])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_our_runtime_mtp_decode_equals_plain_greedy(converted, name, option, depth):
+    """Through the family's adapter: drafts rejected (the random head), then drafts forced right at every other
+    position (partial acceptance: a pass of depth + 1 tokens undone in part), and the output is plain greedy's."""
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.decoding.speculative import mtp_generate, plain_generate
+
+    m = load(converted[name, option])
+    plain, _ = plain_generate(m, IDS, 24)
+    got, _ = mtp_generate(m, IDS, 24, depth=depth, check_offsets=True)
+    assert got == plain
+    calls = itertools.count()  # every fourth draft left to the head (wrong), the others forced right
+    oracle = lambda position, draft: draft if next(calls) % 4 == 3 else mx.array([plain[position]])  # noqa: E731
+    got, stats = mtp_generate(m, IDS, 24, depth=depth, draft_hook=oracle)
+    assert got == plain and 0 < stats.acceptance < 1
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_mxfp4_experts_are_carried_as_the_source_bytes(releases, converted):
+    """At 4 bits the routed experts are MLX mxfp4, their codes and scales the release's bytes, beside an affine 4-bit
+    backbone (config.json's per-module entries say which); the head's (kept float) are dequantized exactly."""
+    out = converted["fp8", "q4"]
+    stored, raw = _tensors(out), releases["fp8"].tensors
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert {k: quant[k] for k in ("bits", "group_size", "mode")} == {"bits": 4, "group_size": 32, "mode": "affine"}
+    for i in range(3):
+        for proj, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            module = f"language_model.model.layers.{i}.ffn.switch_mlp.{proj}"
+            codes = np.stack([raw[f"layers.{i}.ffn.experts.{e}.{w}.weight"].numpy() for e in range(4)])
+            scales = np.stack([raw[f"layers.{i}.ffn.experts.{e}.{w}.scale"].view(torch.uint8).numpy()
+                               for e in range(4)])
+            assert quant[module] == {"bits": 4, "group_size": 32, "mode": "mxfp4"}
+            assert stored[module + ".weight"].dtype == np.uint32 and module + ".biases" not in stored
+            assert stored[module + ".weight"].tobytes() == codes.tobytes()
+            assert stored[module + ".scales"].tobytes() == scales.tobytes()
+    reference = _tensors(converted["fp8-dequantized", "float32"])
+    head = "mtp.decoder.ffn.switch_mlp.down_proj.weight"
+    assert np.array_equal(stored[head], reference[head])
+
+
+@pytest.mark.parametrize("option", ["float32", "q4"])
+def test_the_fp8_release_converts_to_what_its_exact_dequantization_converts_to(converted, option):
+    """E8M0 FP8 matrices and MXFP4 experts dequantized exactly: every tensor of the float32 output is the dequantized
+    release's; at 4 bits every tensor but the carried experts."""
+    fp8, reference = _tensors(converted["fp8", option]), _tensors(converted["fp8-dequantized", option])
+    carried = lambda k: option == "q4" and ".switch_mlp." in k and not k.startswith("mtp.")  # noqa: E731
+    assert any(carried(k) for k in fp8) == (option == "q4")
+    assert sorted(k for k in fp8 if not carried(k)) == sorted(k for k in reference if not carried(k))
+    assert all(fp8[k].dtype == reference[k].dtype and np.array_equal(fp8[k], reference[k])
+               for k in fp8 if not carried(k))
+
+
+def test_stock_mlx_lm_refuses_the_folder_by_name(converted):
+    from mlx_lm.utils import load_model
+
+    with pytest.raises(ValueError, match="deepseek_v4"):
+        load_model(converted["bf16", "float32"])
+
+
+def test_families_lists_deepseek_v4():
+    (family,) = [f for f in api.families() if f["family"] == "deepseek_v4"]
+    assert family["backbone_library"] == "mlx-vlm" and family["backbone_modules"] == ["mlx_vlm.models.deepseek_v4"]
+    assert set(family["head_runtimes"]) == {"mlx-vlm", "mlx-vlm-drafter"}
+    assert family["mtp_count_key"] == "num_nextn_predict_layers" and family["head"]["hidden_state"] == "pre_hc_head"
