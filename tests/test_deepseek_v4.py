@@ -264,3 +264,99 @@ def test_families_lists_deepseek_v4():
     assert family["backbone_library"] == "mlx-vlm" and family["backbone_modules"] == ["mlx_vlm.models.deepseek_v4"]
     assert set(family["head_runtimes"]) == {"mlx-vlm", "mlx-vlm-drafter"}
     assert family["mtp_count_key"] == "num_nextn_predict_layers" and family["head"]["hidden_state"] == "pre_hc_head"
+
+
+@pytest.mark.parametrize("name, option", [("bf16", "float32"), ("fp8", "q4")])
+def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, name, option):
+    """The layerwise check (one block at a time, each with a fresh cache of its kind; hc_head held with the final
+    norm) gives the tokens the whole model loaded gives, head and backbone."""
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+    from mtpconvert.runtime.smoke.teacher_forced import teacher_forced_full
+
+    ids = [IDS, IDS[3:10]]
+    layerwise = layerwise_acceptance(converted[name, option], token_ids=ids, exact=True)
+    full = teacher_forced_full(load(converted[name, option]), ids)
+    assert layerwise.backbone_next == full.backbone_next
+    assert layerwise.head_next == full.head_next and layerwise.head_next_without_mlp == full.head_next_without_mlp
+
+
+def test_verify_accepts_sources_and_outputs_and_says_which_runtimes_use_them(releases, converted):
+    for folder in (releases["bf16"].path, releases["fp8"].path, converted["bf16", "q4"], converted["fp8", "q4"]):
+        report = api.verify(folder)
+        assert report.ok, [f for f in report.findings if f.severity == "error"]
+    assert api.verify(converted["fp8", "q4"]).mtp_complete
+    rows = {r.runtime: r for r in api.verify(converted["fp8", "q4"]).runtimes}
+    assert rows["mlx-vlm"].backbone_exact.ok and rows["mlx-vlm-drafter"].head_usable.ok
+    assert rows["mlx-vlm"].head_usable.ok  # --draft-model OUT: a float head the splitter reads as it is
+    for runtime in ("mlx-lm>=0.32", "mtplx", "rapid-mlx", "vllm-mlx"):
+        assert rows[runtime].backbone_exact.ok is False and not rows[runtime].head_usable.ok
+        assert "deepseek_v4" in rows[runtime].backbone_exact.reason
+    raw = {r.runtime: r for r in api.verify(releases["fp8"].path).runtimes}
+    assert not raw["mlx-vlm"].backbone_exact.ok and "convert it first" in raw["mlx-vlm"].backbone_exact.reason
+
+
+def test_convert_gates_on_the_smoke_through_the_cli(releases, tmp_path, capsys):
+    """`mtpconvert convert` of the FP8 release at 4 bits: the decoding smoke runs the head through the family's adapter
+    and its output equals plain greedy (the random head's floors set to nothing)."""
+    from mtpconvert.cli import run
+
+    out = tmp_path / "cli"
+    code = run(["convert", str(releases["fp8"].path), str(out), "--bits", "4", "--group-size", "32",
+                "--min-acceptance", "0", "--min-mlp-gain", "-1"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "identical to plain greedy" in captured.out + captured.err
+
+
+def _damaged(releases, tmp_path, edit) -> Path:
+    """A copy of the FP8 release with ``edit(tensors)`` applied to its first shard."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "damaged"
+    shutil.copytree(releases["fp8"].path, folder)
+    shard = folder / "model-00001-of-00002.safetensors"
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors or v != shard.name}
+    index["weight_map"].update({k: shard.name for k in tensors})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def _poison(key: str, byte: int):
+    def edit(tensors):
+        codes = tensors[key].view(torch.uint8).clone()
+        codes.view(-1)[0] = byte
+        tensors[key] = codes.view(torch.float8_e8m0fnu)
+    return edit
+
+
+BAD = {
+    # E8M0 255 is NaN: met when the tensor is read (float output: dequantized; 4 bits: carried experts too)
+    "fp8-nan": (_poison("layers.0.attn.wq_a.scale", 255), "layers.0.attn.wq_a.scale", "holds NaN", []),
+    "mxfp4-nan": (_poison("layers.0.ffn.experts.1.w2.scale", 255), "layers.0.ffn.experts.1.w2.scale", "holds NaN",
+                  ["--bits", "4"]),
+    "mxfp4-shape": (lambda t: t.__setitem__("layers.2.ffn.experts.0.w1.scale", t["layers.2.ffn.experts.0.w1.scale"][:, :2].contiguous()),
+                    "layers.2.ffn.experts.0.w1.scale", "MXFP4 scale of shape", []),
+    "scale-on-bf16": (lambda t: t.__setitem__("layers.0.ffn.gate.scale", t["layers.0.attn.wq_a.scale"].clone()),
+                      "layers.0.ffn.gate.scale", "beside a BF16 weight", []),
+    "fp4-without-scale": (lambda t: t.pop("layers.1.ffn.experts.3.w3.scale"), "layers.1.ffn.experts.3.w3.weight",
+                          "I8 weight without an F8_E8M0 scale", []),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_e8m0_and_mxfp4_scales_are_refused_naming_the_tensor(releases, tmp_path, capsys, case):
+    from mtpconvert.cli import run
+
+    edit, key, message, options = BAD[case]
+    folder = _damaged(releases, tmp_path, edit)
+    capsys.readouterr()
+    code = run(["convert", str(folder), str(tmp_path / "out"), "--no-smoke", *options])
+    err = capsys.readouterr().err
+    assert code == 2 and f"key '{key}'" in err and message in err, err
+    assert "model-00001-of-00002.safetensors" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

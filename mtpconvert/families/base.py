@@ -171,6 +171,9 @@ class ModulePaths:
     layers: str  # the decoder layers: layer i is ``{layers}.{i}``
     norm: str  # the final norm
     lm_head: str  # the output projection (absent when tied to the embedding)
+    # further modules between the last layer and the output projection, held with the final norm (DeepSeek-V4's
+    # hc_head, which mixes the hyper-connection streams before it)
+    readout: Tuple[str, ...] = ()
 
     @classmethod
     def text_model(cls, prefix: str) -> "ModulePaths":
@@ -190,7 +193,8 @@ class ModulePaths:
                 return f"layer {index}"
         if key.startswith(tuple(head_prefixes)):
             return "mtp"
-        for unit, path in (("embed_tokens", self.embed), ("lm_head", self.lm_head), ("norm", self.norm)):
+        for unit, path in (("embed_tokens", self.embed), ("lm_head", self.lm_head), ("norm", self.norm),
+                           *(("norm", path) for path in self.readout)):
             if key.startswith(path + "."):
                 return unit
         return "other"

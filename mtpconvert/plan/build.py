@@ -44,7 +44,7 @@ def _ref(ckpt: Checkpoint, key: str) -> SourceRef:
     """A source tensor; a quantized one (F8_E4M3, MXFP4) with its scale (``fp8.scale_key``, checked by
     ``fp8.check_scales``)."""
     t = ckpt.tensors[key]
-    scale = fp8.scale_key(key, ckpt.tensors) if fp8.may_be_quantized(t) else None
+    scale = fp8.scale_key(key, ckpt.tensors) if fp8.may_be_quantized(key, t) else None
     return SourceRef(key, t.file.name, t.shape, t.dtype, _ref(ckpt, scale) if scale else None)
 
 

@@ -38,6 +38,7 @@ TENSOR_SCALE = "weight_scale"  # X.weight_scale, or an enclosing P.weight_scale:
 FP8 = "F8_E4M3"
 E8M0 = "F8_E8M0"
 FP4_PACKED = ("I8", "U8")  # two E2M1 codes a byte
+MLX_COMPANIONS = (".scales", ".biases", ".global_scale")
 SCALE_DTYPES = ("BF16", "F16", "F32")  # the float scales of FP8 weights (E8M0 besides)
 
 # source forms (``form_of``)
@@ -64,9 +65,10 @@ def _beside(weight_key: str) -> List[str]:
     return names
 
 
-def may_be_quantized(info) -> bool:
-    """A tensor whose dtype a quantized weight has (F8_E4M3, or I8/U8 packing FP4 codes)."""
-    return info.dtype == FP8 or info.dtype in FP4_PACKED
+def may_be_quantized(key: str, info) -> bool:
+    """A tensor whose dtype a quantized weight has (F8_E4M3, or I8/U8 packing FP4 codes) and that is not an MLX
+    folder's own companion of one (``.scales`` / ``.biases``: uint8 for its mx modes)."""
+    return info.dtype == FP8 or (info.dtype in FP4_PACKED and not key.endswith(MLX_COMPANIONS))
 
 
 def scale_key(weight_key: str, tensors: Mapping) -> Optional[str]:
@@ -90,7 +92,7 @@ def scale_keys(tensors: Mapping, absent: Mapping = ()) -> Set[str]:
     """Every key of ``tensors`` (and of ``absent``, keys without a header: by name) that is a scale: the scale of a
     quantized weight, or a tensor named as a scale whose weight is missing (``scale_problems`` names those). A
     ``.scale`` beside no ``.weight`` (a hyper-connection's F32 ``attn_hc.scale``) is not one."""
-    found = {scale_key(k, tensors) for k, info in tensors.items() if may_be_quantized(info)} - {None}
+    found = {scale_key(k, tensors) for k, info in tensors.items() if may_be_quantized(k, info)} - {None}
     every = set(tensors) | set(absent)
     for key in every:
         if key.endswith((SCALE_SUFFIX, "." + TENSOR_SCALE)):
@@ -229,7 +231,7 @@ def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
     problems = []
     used = set()
     for key, info in tensors.items():
-        if not may_be_quantized(info):
+        if not may_be_quantized(key, info):
             continue
         scale = scale_key(key, tensors)
         if scale is None:
@@ -237,6 +239,10 @@ def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
                 problems.append(LayoutError("F8_E4M3 weight without its scale", file=file_of[key], key=key,
                                             hint=f"FP8 releases store {key}{SCALE_SUFFIX} (128x128 blocks) or a "
                                                  f"per-tensor {TENSOR_SCALE} beside every F8_E4M3 weight"))
+            else:
+                problems.append(LayoutError(f"{info.dtype} weight without an F8_E8M0 scale", file=file_of[key], key=key,
+                                            hint="MXFP4 releases store X.scale (one E8M0 exponent per 32 inputs) "
+                                                 "beside every packed X.weight"))
             continue
         used.add(scale)
         problem = _scale_problem(key, info, scale, tensors, file_of)

@@ -3,6 +3,7 @@ against the layout, and the config's own consistency."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -126,6 +127,8 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
         if contribs[0].part in KV_B_PARTS:
             check_kv_b(ckpt, slot, contribs[0], report)
             continue
+        if contribs[0].part is Gather.GROUPS:  # a grouped projection's [G * R, C] source
+            slot = dataclasses.replace(slot, shape=(slot.shape[0] * slot.shape[1], *slot.shape[2:]))
         check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
     head_only = any_mtp and all(family.is_head(t) for t in targets)
     if head_only:
@@ -351,7 +354,7 @@ def check_kv_b(ckpt, slot, contrib, report) -> None:
 def check_shape(ckpt, slot, key: str, raw: bool, aux, report) -> None:
     """A tensor against its slot's shape (a raw conv1d [C,1,K]; a quantized one by all but its packed axis)."""
     info = ckpt.tensors[key]
-    want = slot.shape
+    want = fp8.stored_shape(key, ckpt.tensors, slot.shape)  # MXFP4: two codes a byte
     if slot.kind == CONV and raw:
         want = (slot.shape[0], 1, slot.shape[1])
     if aux and "scales" in aux:

@@ -27,7 +27,7 @@ import re
 from typing import List
 
 from ...errors import LayoutError
-from ..base import MLX, RAW_TEXT, Capabilities, Family, Gather, HeadDesign, Mapped
+from ..base import MLX, RAW_TEXT, Capabilities, Family, Gather, HeadDesign, Mapped, ModulePaths
 from .slots import HEAD_PREFIX, LM, LM_HEAD, MODEL, expected_slots
 from .spec import MODEL_TYPES, model_spec
 
@@ -192,6 +192,9 @@ FAMILY = Family(
     norms_zero_centred=lambda tensors: False,
     backbone_library="mlx-vlm",
     text_prefix=LM,
+    # the final norm reads the streams through hc_head: both held at the end of the layerwise check
+    modules=ModulePaths(MODEL + "embed_tokens", MODEL + "layers", MODEL + "norm", LM_HEAD[: -len(".weight")],
+                        readout=(MODEL + "hc_head",)),
     default_style=RAW_TEXT,
     loadable_config=loadable_config,
     drafter_config=drafter_config,

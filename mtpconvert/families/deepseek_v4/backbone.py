@@ -54,10 +54,9 @@ class DeepseekV4Backbone(Backbone):
         path = Path(path)
         config = load_config(path)
         model_class, _ = get_model_and_args(config=config, model_path=path)
-        for key in ("text_config", "vision_config", "audio_config"):
-            config.setdefault(key, {})
-        model_config = model_class.ModelConfig.from_dict(config)
-        model_config = update_module_configs(model_config, model_class, config,
+        built = {"text_config": {}, "vision_config": {}, "audio_config": {}, **config}  # as the loader fills it in
+        model_config = model_class.ModelConfig.from_dict(built)
+        model_config = update_module_configs(model_config, model_class, built,
                                              ["text", "vision", "perceiver", "projector", "audio"])
         return cls(model_class.Model(model_config), family, config)
 

@@ -25,6 +25,22 @@ from mlx_vlm.models.deepseek_v4.hyper_connection import HyperHead
 from mlx_vlm.models.deepseek_v4.language import DeepseekV4Block
 
 
+class BlockView:
+    """The head's block as the runtime's smokes name a decoder layer's parts: its MoE is ``mlp`` (the block's
+    ``ffn``, which its hyper-connection runs with the token ids)."""
+
+    def __init__(self, block: nn.Module):
+        self.block = block
+
+    @property
+    def mlp(self) -> nn.Module:
+        return self.block.ffn
+
+    @mlp.setter
+    def mlp(self, module: nn.Module) -> None:
+        self.block.ffn = module
+
+
 class DeepseekV4Head(nn.Module):
     def __init__(self, args):
         """``args``: mlx-vlm's deepseek_v4 ``ModelConfig`` of the backbone."""
@@ -42,8 +58,8 @@ class DeepseekV4Head(nn.Module):
 
     @property
     def layers(self) -> list:
-        """One decoder layer (speculative decoding counts these)."""
-        return [self.decoder]
+        """One decoder layer (speculative decoding counts these; the MLP-gain smoke swaps its ``mlp``)."""
+        return [BlockView(self.decoder)]
 
     def make_cache(self) -> List[RotatingKVCache]:
         return [RotatingKVCache(max_size=self.sliding_window)]

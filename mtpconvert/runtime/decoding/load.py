@@ -78,13 +78,15 @@ def float32_experts_on_cpu(module: nn.Module) -> int:
     """Cast float expert stacks to float32 when running on the CPU; return how many were cast.
 
     MLX's CPU ``gather_mm`` is float32-only, so a bf16/fp16 MoE cannot run there as stored;
-    in float32 it runs (quantized experts use ``gather_qmm`` and are left alone).
+    in float32 it runs (quantized experts use ``gather_qmm`` and are left alone). mlx-lm's ``SwitchLinear`` and
+    mlx-vlm's copy of it (its backbones and heads) alike.
     """
     if mx.default_device() != mx.cpu:
         return 0
     cast = 0
     for _, m in module.named_modules():
-        if type(m) is SwitchLinear and m.weight.dtype != mx.float32:
+        float_switch = type(m) is SwitchLinear or (type(m).__name__ == "SwitchLinear" and "scales" not in m)
+        if float_switch and m.weight.dtype != mx.float32:
             m.weight = m.weight.astype(mx.float32)
             cast += 1
     return cast
