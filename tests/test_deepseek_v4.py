@@ -360,3 +360,69 @@ def test_bad_e8m0_and_mxfp4_scales_are_refused_naming_the_tensor(releases, tmp_p
     assert code == 2 and f"key '{key}'" in err and message in err, err
     assert "model-00001-of-00002.safetensors" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+# --- the Hub: a streamed pull within its window, add-mtp ------------------------------------------------------------
+
+TINY = "deepseek-ai/DeepSeek-V4-Tiny"
+HUB_ARGS = ["--bits", "4", "--group-size", "32", "--no-smoke"]
+
+
+@pytest.fixture()
+def hub(tmp_path, monkeypatch):
+    """A loopback Hub (huggingface_hub's real download code runs against it), as tests/test_hub.py sets one up."""
+    from tests.hubserver import FakeHub
+
+    with FakeHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DISABLE_XET", True)
+        yield h
+
+
+def test_streamed_pull_of_the_fp8_release_holds_its_window_and_writes_a_local_conversions_bytes(hub, releases,
+                                                                                                tmp_path, monkeypatch):
+    """--stream --raw-window on the FP8-E8M0 + MXFP4 release: no file downloaded whole; the requests are, file by
+    file, each header and exactly the bytes of every tensor (weights and their E8M0 scales, the head's shard
+    included), none twice; the stream runs at most the window ahead and holds under half of what it reads. The output
+    is a local `convert`'s of the same source, byte for byte, MXFP4 experts carried."""
+    from mtpconvert.io.header import read_header
+    from tests.checkpoints import tree_digest
+    from tests.test_hub import merged, pull_by_ranges, shard_digests
+
+    src = releases["fp8"].path
+    hub.add_folder(TINY, src)
+    headers = {p.name: read_header(p) for p in sorted(src.glob("*.safetensors"))}
+    window = min((src / n).stat().st_size for n in headers) // 2
+    out = tmp_path / "pulled"
+    run = pull_by_ranges(hub, monkeypatch, TINY, out, window, HUB_ARGS)
+    data: dict = {}
+    for r, (a, b) in zip(run.gets, run.spans()):
+        data.setdefault(r.path.rsplit("/", 1)[-1], []).append((a, b + 1))
+    for name, header in headers.items():
+        want = merged([(0, 8), (8, header.data_start)] + [(t.start, t.end) for t in header.tensors.values()])
+        assert merged(data[name]) == merged(want), name
+    fetched = sum(b - a for spans in data.values() for a, b in spans)
+    stubs = sum(header.data_start for header in headers.values())
+    assert fetched == sum(b - a for spans in data.values() for a, b in merged(spans))  # no byte twice
+    assert run.ahead <= window and run.feed.peak_bytes < (fetched - stubs) / 2, (run.ahead, run.feed.peak_bytes)
+    local = api.convert(src, tmp_path / "local", ConvertOptions(quant=Q4), checks=NO_CHECKS).out
+    assert shard_digests(out) == shard_digests(local) and "mtp.safetensors" in shard_digests(out)
+    assert tree_digest(out / "mtp") == tree_digest(local / "mtp")
+    assert json.loads((out / "config.json").read_text()) == json.loads((local / "config.json").read_text())
+
+
+def test_add_mtp_grafts_the_fp8_releases_head_onto_a_headless_folder(hub, releases, tmp_path):
+    """add-mtp from the release's last shard (only mtp.*: its FP8 matrices with their E8M0 scales, its MXFP4 experts)
+    onto a 4-bit folder converted with --mtp drop: read by range, the head a direct `convert` writes, the smoke's
+    MTP decode equal to plain greedy, the backbone's shards untouched."""
+    from tests.test_hub import graft_onto_headless
+
+    src = releases["fp8"].path
+    grafted = graft_onto_headless(hub, TINY, src, src, tmp_path, ["--bits", "4", "--group-size", "32", "--dtype",
+                                                                   "bfloat16", "--no-smoke"])
+    assert "mtp.decoder.ffn.switch_mlp.gate_proj.weight" in grafted  # stacked, dequantized: no source format left
+    assert not {dtype for dtype, _, _ in grafted.values()} & {"F8_E4M3", "F8_E8M0", "I8"}
