@@ -25,11 +25,12 @@ from ..io.header import DTYPES, TensorInfo, leading_rows
 from ..io.reader import TensorReader
 from ..io.shard_writer import BF16Bits
 from ..plan import PlanItem, SourceRef
+from ..plan import fp8
 from ..plan.fp8 import BLOCK as FP8_BLOCK
-from ..plan.fp8 import is_block_scale, scale_rows
-from ..plan.steps import HALVES, KV_B_PARTS, Cast, DequantFP8, Gather, Quantize, SplitGateUp, StackExperts
+from ..plan.fp8 import scale_rows
+from ..plan.steps import HALVES, KV_B_PARTS, Cast, CarryMX, DequantFP8, Gather, Quantize, SplitGateUp, StackExperts
 from . import npquant
-from .ops import apply_steps, dequant_fp8, gather, split_kv_b
+from .ops import apply_steps, carry_mx, dequant_fp8, dequant_mxfp4, gather, scale_values, split_kv_b
 
 # measured: 8 MiB pays per-block overhead, 32+ MiB pays page faults (glibc mmaps big blocks);
 # MTPCONVERT_BLOCK_MB overrides it (benchmarks); the bytes written do not depend on it
@@ -59,12 +60,32 @@ def rows(item: PlanItem) -> int:
 
 
 def is_fp8(item: PlanItem) -> bool:
+    """Quantized sources (FP8, MXFP4): read with their scales."""
     return item.sources[0].scale is not None
 
 
 def is_block_fp8(item: PlanItem) -> bool:
     """FP8 sources with 128x128 block scales (not one scale per tensor)."""
-    return is_fp8(item) and is_block_scale(item.sources[0].scale.key)
+    return fp8.form_of(item.sources[0]) == fp8.FP8_BLOCK
+
+
+def is_carried(item: PlanItem) -> bool:
+    """Sources carried into MLX's format as stored (``plan.fp8.carried``)."""
+    return any(isinstance(step, CarryMX) for step in item.steps)
+
+
+def source_rows(item: PlanItem, start: int, stop: int) -> Tuple[int, int]:
+    """The rows of an item's (one) source that output rows ``start:stop`` are made of: a grouped projection's
+    group g is rows ``g * R:(g + 1) * R``."""
+    if item.gather is Gather.GROUPS:
+        per = item.slot.shape[1]
+        return start * per, stop * per
+    return start, stop
+
+
+def _source_elements(source: SourceRef) -> int:
+    """Values a source holds (two a byte for MXFP4)."""
+    return math.prod(source.shape) * (2 if fp8.form_of(source) == fp8.MXFP4 else 1)
 
 
 def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Block]:
@@ -73,34 +94,70 @@ def item_blocks(item: PlanItem, max_bytes: int = DEFAULT_BLOCK_BYTES) -> List[Bl
     n = rows(item)
     if n == 0 or item.gather in KV_B_PARTS:  # a kv_b part is one attention's [heads, ...]: a few MB, one block
         return [Block(item, 0, n)]
-    # an FP8 source is sized as the BF16 it becomes: its blocks then cost what a BF16 source's do
-    work = 2 * sum(math.prod(s.shape) for s in item.sources) if is_fp8(item) else item.in_bytes
+    # a quantized source is sized as the BF16 it becomes: its blocks then cost what a BF16 source's do
+    work = 2 * sum(_source_elements(s) for s in item.sources) if is_fp8(item) else item.in_bytes
     per_row = max(1, work // n)
     step = max(1, max_bytes // per_row)
-    if is_block_fp8(item) and len(item.sources[0].shape) == 2:
+    if is_block_fp8(item) and len(item.sources[0].shape) == 2 and item.gather is not Gather.GROUPS:
         step = max(FP8_BLOCK, step // FP8_BLOCK * FP8_BLOCK)
     return [Block(item, a, min(a + step, n)) for a in range(0, n, step)]
 
 
+def _scale_block(source: SourceRef) -> int:
+    """Rows one scale row covers: 128 (block FP8) or 1 (MXFP4's per-row scales)."""
+    return FP8_BLOCK if fp8.form_of(source) == fp8.FP8_BLOCK else 1
+
+
+def _read_quantized(source: SourceRef, ckpt: Checkpoint, reader: TensorReader, start: int, stop: int,
+                    part: Optional[Tuple[int, int]]) -> Tuple[mx.array, mx.array, mx.array, int]:
+    """(codes, stored scale, its float32 values, row offset into the first scale row) of rows ``start:stop``:
+    the scale rows they need, or the one per-tensor scale. A non-finite scale is named."""
+    info, scale_info = ckpt.tensors[source.key], ckpt.tensors[source.scale.key]
+    if fp8.form_of(source) == fp8.FP8_TENSOR:
+        scale, offset = reader.read(scale_info), 0
+    else:
+        first, last, offset = scale_rows(info.shape, start, stop, _scale_block(source))
+        scale = reader.read_rows(scale_info, first, last, part=part)
+    values = scale_values(scale, scale_info.dtype)
+    if not mx.all(mx.isfinite(values)).item():
+        what = "MXFP4" if fp8.form_of(source) == fp8.MXFP4 else "FP8"
+        raise LayoutError(f"{what} scale holds NaN or Inf", file=scale_info.file, key=scale_info.key)
+    return reader.read_rows(info, start, stop, part=part), scale, values, offset
+
+
 def read_fp8(source: SourceRef, ckpt: Checkpoint, reader: TensorReader, start: int, stop: int,
              part: Optional[Tuple[int, int]] = None) -> mx.array:
-    """Rows ``start:stop`` of an FP8 source, dequantized with the scale rows they need (float32), or with its
+    """Rows ``start:stop`` of a quantized source, dequantized (float32) with the scale rows they need, or with its
     one per-tensor scale."""
-    info, scale_info = ckpt.tensors[source.key], ckpt.tensors[source.scale.key]
-    if is_block_scale(source.scale.key):
-        first, last, offset = scale_rows(info.shape, start, stop)
-        scale, block = reader.read_rows(scale_info, first, last, part=part), FP8_BLOCK
-    else:
-        scale, block, offset = reader.read(scale_info), 0, 0
-    if not mx.all(mx.isfinite(scale)).item():
-        raise LayoutError("FP8 scale holds NaN or Inf", file=scale_info.file, key=scale_info.key)
-    codes = reader.read_rows(info, start, stop, part=part)
-    return dequant_fp8(codes, scale, block, offset)
+    codes, _, values, offset = _read_quantized(source, ckpt, reader, start, stop, part)
+    if fp8.form_of(source) == fp8.MXFP4:
+        return dequant_mxfp4(codes, values)
+    return dequant_fp8(codes, values, fp8.block_of(source), offset)
+
+
+def _carried(source: SourceRef, ckpt: Checkpoint, reader: TensorReader, start: int, stop: int, mode: str,
+             part: Optional[Tuple[int, int]] = None) -> List[mx.array]:
+    codes, scale, _, offset = _read_quantized(source, ckpt, reader, start, stop, part)
+    return carry_mx(codes, scale, mode, offset)
+
+
+def read_carried(block: Block, ckpt: Checkpoint, reader: TensorReader) -> List[mx.array]:
+    """A carried item's block: [weight uint32, scales uint8] of its MLX format, gathered (``plan.fp8.carried``)."""
+    item, a, b = block.item, block.start, block.stop
+    (mode,) = {step.mode for step in item.steps if isinstance(step, CarryMX)}
+    if item.gather is Gather.STACK:
+        parts = [_carried(s, ckpt, reader, 0, leading_rows(s.shape), mode) for s in item.sources[a:b]]
+        return [mx.stack([p[i] for p in parts]) for i in range(2)]
+    part = (item.gather.half, 2) if item.gather in HALVES else None
+    out = _carried(item.sources[0], ckpt, reader, *source_rows(item, a, b), mode, part)
+    if item.gather is Gather.GROUPS:
+        out = [o.reshape(b - a, -1, o.shape[-1]) for o in out]
+    return out
 
 
 def read_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> mx.array:
     """The gathered source rows of one block: stacked experts, one half of a fused gate_up, ...;
-    block-FP8 sources dequantized as they are read."""
+    quantized sources dequantized as they are read."""
     item, a, b = block.item, block.start, block.stop
     if item.gather in KV_B_PARTS:
         src = item.sources[0]
@@ -108,23 +165,22 @@ def read_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> mx.array
                  else reader.read(ckpt.tensors[src.key]))
         own = item.slot.shape[2] if item.gather is Gather.EMBED_Q else item.slot.shape[1]
         return split_kv_b(whole, item.gather, item.slot.shape[0], own)[a:b]
-    if is_fp8(item):
-        if item.gather is Gather.STACK:
-            return gather([read_fp8(s, ckpt, reader, 0, leading_rows(s.shape)) for s in item.sources[a:b]],
-                          Gather.STACK)
-        part = (item.gather.half, 2) if item.gather in HALVES else None
-        read = read_fp8(item.sources[0], ckpt, reader, a, b, part)
-        return read if part else gather([read], item.gather)
     if item.gather is Gather.STACK:
-        return gather([reader.read(ckpt.tensors[s.key]) for s in item.sources[a:b]], Gather.STACK)
-    info = ckpt.tensors[item.sources[0].key]
-    if item.gather in HALVES:
-        return reader.read_rows(info, a, b, part=(item.gather.half, 2))
-    return gather([reader.read_rows(info, a, b)], item.gather)
+        return gather([read_fp8(s, ckpt, reader, 0, leading_rows(s.shape)) if is_fp8(item)
+                       else reader.read(ckpt.tensors[s.key]) for s in item.sources[a:b]], Gather.STACK)
+    part = (item.gather.half, 2) if item.gather in HALVES else None
+    start, stop = source_rows(item, a, b)
+    read = (read_fp8(item.sources[0], ckpt, reader, start, stop, part) if is_fp8(item)
+            else reader.read_rows(ckpt.tensors[item.sources[0].key], start, stop, part=part))
+    if item.gather is Gather.GROUPS:
+        return read.reshape(b - a, -1, read.shape[-1])
+    return read if part else gather([read], item.gather)
 
 
 def produce_block(block: Block, ckpt: Checkpoint, reader: TensorReader) -> List[mx.array]:
     """The output arrays of one block, in ``item.outputs()`` order (lazy: not evaluated)."""
+    if is_carried(block.item):
+        return read_carried(block, ckpt, reader)
     return apply_steps(read_block(block, ckpt, reader), block.item.steps)
 
 
@@ -157,7 +213,7 @@ def _source_rows(block: Block) -> Tuple[int, int]:
     (``read_block`` splits the whole tensor per head: the block's rows are heads, not source rows)."""
     if block.item.gather in KV_B_PARTS:
         return 0, leading_rows(block.item.sources[0].shape)
-    return block.start, block.stop
+    return source_rows(block.item, block.start, block.stop)
 
 
 def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[int, ...]]]:
@@ -169,23 +225,25 @@ def _source_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[i
 
 
 def _scale_runs(block: Block, ckpt: Checkpoint) -> List[Tuple[str, int, Tuple[int, ...]]]:
-    """The runs of the FP8 scale rows a block reads (``read_fp8``), like ``_source_runs``."""
+    """The runs of the scale rows a block reads (``read_fp8``), like ``_source_runs``."""
     item, a, b = block.item, block.start, block.stop
     if item.gather is Gather.STACK:
         return [(str(info.file), info.start, info.shape)
                 for info in (ckpt.tensors[s.scale.key] for s in item.sources[a:b])]
     source = item.sources[0]
-    if not is_block_scale(source.scale.key):  # one value for the whole tensor
+    if fp8.form_of(source) == fp8.FP8_TENSOR:  # one value for the whole tensor
         info = ckpt.tensors[source.scale.key]
         return [(str(info.file), info.start, info.shape)]
-    return _rows_runs(ckpt.tensors[source.scale.key], item.gather, *scale_rows(source.shape, *_source_rows(block))[:2])
+    first, last, _ = scale_rows(source.shape, *_source_rows(block), _scale_block(source))
+    return _rows_runs(ckpt.tensors[source.scale.key], item.gather, first, last)
 
 
 def _scale_offset(block: Block) -> int:
     """How far the block's first row lies into its first scale row's rows (0 for a stack's whole experts)."""
     if block.item.gather is Gather.STACK:
         return 0
-    return scale_rows(block.item.sources[0].shape, block.start, block.stop)[2]
+    source = block.item.sources[0]
+    return scale_rows(source.shape, *_source_rows(block), _scale_block(source))[2]
 
 
 def _rows_runs(info: TensorInfo, how: Gather, a: int, b: int) -> List[Tuple[str, int, Tuple[int, ...]]]:

@@ -283,7 +283,7 @@ def task_groups(reads: Sequence[tuple], group_size: int) -> int:
     return sum(math.prod(read[2]) for read in reads) // group_size
 
 
-READ_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8}
+READ_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F8_E4M3": np.uint8, "F8_E8M0": np.uint8}
 
 
 def _read_rows(reads: Sequence[tuple], source_dtype: str, target_dtype: str) -> list:
@@ -333,7 +333,7 @@ def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_o
     rounded as MLX's cast rounds them. A band of 128 rows is one lookup in the tables of its blocks' values (256
     per block, side by side), indexed by code + 256 * column block: two passes over the codes, no float32 copy
     of them."""
-    scale = _as_float32_rows(scale, scale_dtype, np.empty(scale.shape, np.float32))
+    scale = scale_floats(scale, scale_dtype)
     if not np.isfinite(scale).all():
         return None
     if scale.ndim < 2:  # one scale for the tensor: one table of 256 values
@@ -351,6 +351,16 @@ def dequantize_fp8(codes: np.ndarray, scale: np.ndarray, scale_dtype: str, row_o
             index = np.add(band_codes[r0:r1], table_of_column, dtype=table_of_column.dtype)
             np.take(tables, index, out=band_out[r0:r1])
     return out
+
+
+def scale_floats(stored: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """Stored FP8 scales -> float32: BF16 (as uint16 bits), F16, F32, or F8_E8M0 bytes, the exponents ``2^(b - 127)``
+    (built from their bits as ``execute.ops.scale_values`` builds them: 0 is 2^-127, 255 NaN)."""
+    if scale_dtype != "F8_E8M0":
+        return _as_float32_rows(stored, scale_dtype, np.empty(stored.shape, np.float32))
+    b = stored.astype(np.uint32)
+    bits = np.where(b == 0, np.uint32(1 << 22), np.where(b == 255, np.uint32(0x7FC00000), b << np.uint32(23)))
+    return bits.astype(np.uint32).view(np.float32)
 
 
 _SEGMENTS: dict = {}  # shared memory this worker has attached, by name: kept for the pool's life

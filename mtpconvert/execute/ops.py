@@ -31,6 +31,41 @@ def dequant_fp8(codes: mx.array, scale: mx.array, block: int, row_offset: int = 
     return mx.take(e4m3_values(), codes.astype(mx.uint32)) * grid
 
 
+def scale_values(stored: mx.array, st_dtype: str) -> mx.array:
+    """A scale tensor as read (``io.header.DTYPES``) -> its float32 values. F8_E8M0 bytes are exponents: ``2^(b -
+    127)``, built from their bits (b << 23; b = 0 is the subnormal 2^-127; 255 is NaN, as the OCP format says)."""
+    if st_dtype != "F8_E8M0":
+        return stored.astype(mx.float32)
+    b = stored.astype(mx.uint32)
+    bits = mx.where(b == 0, mx.array(1 << 22, mx.uint32), mx.where(b == 255, mx.array(0x7FC00000, mx.uint32), b << 23))
+    return bits.view(mx.float32)
+
+
+# the E2M1 value of each 4-bit code (bit 3: the sign)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequant_mxfp4(codes: mx.array, scale: mx.array) -> mx.array:
+    """MXFP4 -> float32: ``codes`` [..., N, K/2] (two E2M1 codes a byte, element 2j in the low nibble), ``scale``
+    [..., N, K/32] the float32 values of their E8M0 scales. Exact: a code's value times a power of two fits float32."""
+    b = codes.view(mx.uint8).astype(mx.uint32)
+    nibbles = mx.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+    values = mx.take(mx.array(E2M1, mx.float32), nibbles)
+    return values * mx.repeat(scale, 32, axis=-1)
+
+
+def carry_mx(codes: mx.array, exponents: mx.array, mode: str, row_offset: int = 0) -> List[mx.array]:
+    """A source MLX holds as stored -> [weight uint32, scales uint8] of ``mode``: mxfp4's codes (two a byte) and
+    per-32 E8M0 bytes as they are; mxfp8's E4M3 bytes with each 128x128 block's E8M0 byte repeated over its rows
+    (from ``row_offset`` into the first block's) and its four 32-wide groups."""
+    weight = codes.view(mx.uint8).view(mx.uint32)
+    if mode == "mxfp4":
+        return [weight, exponents.astype(mx.uint8)]
+    rows, cols = codes.shape[-2:]
+    grid = mx.repeat(exponents.astype(mx.uint8), 128, axis=-2)[..., row_offset:row_offset + rows, :]
+    return [weight, mx.contiguous(mx.repeat(grid, 4, axis=-1)[..., : cols // 32])]
+
+
 def stack_experts(experts: Sequence[mx.array]) -> mx.array:
     """[E] x [out, in] -> [E, out, in], expert e at row e (SwitchLinear layout)."""
     return mx.stack(list(experts), axis=0)

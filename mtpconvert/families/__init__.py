@@ -11,13 +11,14 @@ from typing import Dict, Optional, Tuple
 
 from ..errors import ConfigError
 from .base import Family, config_model_type, text_config
+from .deepseek_v4 import FAMILY as DEEPSEEK_V4
 from .qwen3_5 import FAMILY as QWEN3_5
 from .glm import FAMILIES as GLM_FAMILIES
 from .glm5_next import FAMILY as GLM5_NEXT
 from .qwen3_next import FAMILY as QWEN3_NEXT
 from .qwen4_exp import FAMILY as QWEN4_EXP
 
-FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, QWEN4_EXP, *GLM_FAMILIES, GLM5_NEXT)
+FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, QWEN4_EXP, *GLM_FAMILIES, GLM5_NEXT, DEEPSEEK_V4)
 
 # model types seen in releases with an MTP head that no family here converts yet
 UNSUPPORTED: Dict[str, str] = {

@@ -47,9 +47,12 @@ MULTI = "multi"  # per-head matrices of an MLA attention (embed_q / unembed_out)
 ROWS = "rows"
 PARAM = "param"  # dt_bias, biases, a bare router weight, a LayerNorm: cast only
 BUFFER = "buffer"  # an integer table the model computes from its config (n-gram hashing): kept as stored
+# a parameter its model keeps in float32 whatever the weights' dtype (DeepSeek-V4's hyper-connection mixes and
+# attention sinks: mlx-vlm's cast_predicate leaves them): cast only, to float32
+F32_PARAM = "f32_param"
 
 QUANTIZABLE = (EMBEDDING, LINEAR, SWITCH, ROUTER, FC, MULTI, ROWS)
-FLOAT32_KINDS = (A_LOG, ROUTER_BIAS)  # kept float32 whatever --dtype says, as mlx-lm does
+FLOAT32_KINDS = (A_LOG, ROUTER_BIAS, F32_PARAM)  # kept float32 whatever --dtype says, as mlx-lm does
 
 # Slot groups
 BACKBONE = "backbone"
@@ -86,6 +89,7 @@ class Gather(str, Enum):
     VISION_PATCH = "vision_patch"  # Conv3d patch embedding, moved to channels-last
     EMBED_Q = "embed_q"  # MLA kv_b_proj [heads*(nope+v), kv_lora] -> per head [heads, kv_lora, nope] (transposed)
     UNEMBED_OUT = "unembed_out"  # the same kv_b_proj -> per head [heads, v, kv_lora]
+    GROUPS = "groups"  # a [G * R, C] matrix as [G, R, C]: the groups of a grouped projection (MultiLinear)
 
     @property
     def half(self) -> int:
@@ -167,6 +171,9 @@ class ModulePaths:
     layers: str  # the decoder layers: layer i is ``{layers}.{i}``
     norm: str  # the final norm
     lm_head: str  # the output projection (absent when tied to the embedding)
+    # further modules between the last layer and the output projection, held with the final norm (DeepSeek-V4's
+    # hc_head, which mixes the hyper-connection streams before it)
+    readout: Tuple[str, ...] = ()
 
     @classmethod
     def text_model(cls, prefix: str) -> "ModulePaths":
@@ -186,7 +193,8 @@ class ModulePaths:
             index = key[len(self.layers) + 1:].split(".", 1)[0]
             if index.isdigit():
                 return f"layer {index}"
-        for unit, path in (("embed_tokens", self.embed), ("lm_head", self.lm_head), ("norm", self.norm)):
+        for unit, path in (("embed_tokens", self.embed), ("lm_head", self.lm_head), ("norm", self.norm),
+                           *(("norm", path) for path in self.readout)):
             if key.startswith(path + "."):
                 return unit
         return "other"

@@ -39,18 +39,20 @@ DTYPES: Dict[str, Tuple[np.dtype, mx.Dtype, int]] = {
     "U16": (np.dtype("<u2"), mx.uint16, 2),
     "U8": (np.dtype("u1"), mx.uint8, 1),
     "BOOL": (np.dtype("?"), mx.bool_, 1),
-    # block-FP8 weights are read as their raw bytes; the plan dequantizes them with their scales
+    # FP8 weights and their E8M0 (power-of-two) scales are read as their raw bytes; the plan dequantizes them
+    # (or carries them into MLX's mx formats) with their scales (plan.fp8)
     "F8_E4M3": (np.dtype("u1"), mx.uint8, 1),
+    "F8_E8M0": (np.dtype("u1"), mx.uint8, 1),
 }
 FP8_E4M3 = "F8_E4M3"
 
-MLX_TO_ST = {v[1]: k for k, v in DTYPES.items() if k != FP8_E4M3}
+MLX_TO_ST = {v[1]: k for k, v in DTYPES.items() if k not in (FP8_E4M3, "F8_E8M0")}
 
 # The writer starts the kernel's writeback after this many bytes, overlapping disk writes with compute.
 WRITEBACK_BYTES = 256 << 20
 
 # dtypes we recognise but cannot convert; named in the error.
-UNSUPPORTED_DTYPES = {"F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+UNSUPPORTED_DTYPES = {"F8_E5M2", "F4", "F6_E2M3", "F6_E3M2", "C64"}
 
 
 def dtype_itemsize(st_dtype: str) -> int:
@@ -61,6 +63,8 @@ def mlx_dtype_name(st_dtype: str) -> str:
     """'BF16' -> 'bfloat16' (the names used in config files and plans)."""
     if st_dtype == FP8_E4M3:
         return "float8_e4m3fn"
+    if st_dtype == "F8_E8M0":
+        return "float8_e8m0fnu"
     return str(DTYPES[st_dtype][1]).replace("mlx.core.", "")
 
 
@@ -160,8 +164,9 @@ def _tensor_info(path: Path, key: str, entry, data_start: int, data_len: int) ->
         raise SafetensorsError(f"dtype {dtype!r} is not a string", file=path, key=key)
     if dtype in UNSUPPORTED_DTYPES:
         raise SafetensorsError(
-            f"dtype {dtype} is not supported (only block-FP8 F8_E4M3 weights with their weight_scale_inv "
-            "are read; FP4/FP6 checkpoints must be converted from their BF16 or FP8 release)",
+            f"dtype {dtype} is not supported (F8_E4M3 weights with their scales and MXFP4 weights packed in I8 "
+            "with F8_E8M0 scales are read; other FP4/FP6 checkpoints must be converted from their BF16 or FP8 "
+            "release)",
             file=path,
             key=key,
         )

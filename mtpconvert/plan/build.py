@@ -24,7 +24,7 @@ from . import fp8
 from .head import place_head, sidecar_slot
 from .items import Plan, PlanItem, SourceRef
 from .quant import QuantSpec, decide, quantization_block
-from .steps import Cast, ConvAxis, DequantFP8, Quantize, ShiftNorm, Step, gather_step
+from .steps import Cast, CarryMX, ConvAxis, DequantFP8, DequantMXFP4, Quantize, ShiftNorm, Step, gather_step
 
 
 FLOAT_SOURCE_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -41,10 +41,15 @@ def default_dtype(ckpt: Checkpoint) -> str:
 
 
 def _ref(ckpt: Checkpoint, key: str) -> SourceRef:
-    """A source tensor; an F8_E4M3 one with its scale (``fp8.scale_key``, checked by ``fp8.check_scales``)."""
+    """A source tensor; a quantized one (F8_E4M3, MXFP4) with its scale (``fp8.scale_key``, checked by
+    ``fp8.check_scales``)."""
     t = ckpt.tensors[key]
-    scale = _ref(ckpt, fp8.scale_key(key, ckpt.tensors)) if t.dtype == fp8.FP8 else None
-    return SourceRef(key, t.file.name, t.shape, t.dtype, scale)
+    scale = fp8.scale_key(key, ckpt.tensors) if fp8.may_be_quantized(key, t) else None
+    return SourceRef(key, t.file.name, t.shape, t.dtype, _ref(ckpt, scale) if scale else None)
+
+
+def _stored(ckpt: Checkpoint, key: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    return fp8.stored_shape(key, ckpt.tensors, shape)
 
 
 def _shape_error(ckpt: Checkpoint, key: str, expected, got) -> LayoutError:
@@ -67,8 +72,9 @@ def _map_all(ckpt: Checkpoint, family: Family) -> List[Mapped]:
     mapped like any other, so a vision or MTP tensor in a shard the pull skipped is dropped with the
     same reason as one that shares a shard with kept tensors."""
     mapped = []
+    scales = fp8.scale_keys(ckpt.tensors, ckpt.absent)
     for key, file in _source_files(ckpt).items():
-        if fp8.is_scale(key):
+        if key in scales:
             continue  # read with its weight
         if QUANT_AUX.search(key):
             raise LayoutError(
@@ -111,23 +117,23 @@ def _gather_switch(ckpt, slot: Slot, contribs: List[Mapped], spec):
         (c,) = fused
         shape = ckpt.tensors[c.source].shape
         if c.part is Gather.LOAD:
-            if shape != slot.shape:
-                raise _shape_error(ckpt, c.source, slot.shape, shape)
+            if shape != _stored(ckpt, c.source, slot.shape):
+                raise _shape_error(ckpt, c.source, _stored(ckpt, c.source, slot.shape), shape)
             return (_ref(ckpt, c.source),), Gather.LOAD
-        want = (slot.shape[0], 2 * slot.shape[1], slot.shape[2])
+        want = _stored(ckpt, c.source, (slot.shape[0], 2 * slot.shape[1], slot.shape[2]))
         if shape != want:
             raise _shape_error(ckpt, c.source, want, shape)
-        scale = fp8.scale_key(c.source, ckpt.tensors) if ckpt.tensors[c.source].dtype == fp8.FP8 else None
-        if scale is not None and fp8.is_block_scale(scale) and slot.shape[1] % fp8.BLOCK:
+        ref = _ref(ckpt, c.source)
+        if fp8.block_of(ref) and slot.shape[1] % fp8.BLOCK:
             raise LayoutError(f"fused FP8 gate_up_proj whose halves ({slot.shape[1]} rows) do not fall on the "
                               f"{fp8.BLOCK}-row scale grid", file=ckpt.tensors[c.source].file, key=c.source)
-        return (_ref(ckpt, c.source),), c.part
+        return (ref,), c.part
     by_index: Dict[int, Mapped] = {}
     for c in per_expert:
         by_index[c.index] = c
         shape = ckpt.tensors[c.source].shape
-        if shape != slot.shape[1:]:
-            raise _shape_error(ckpt, c.source, slot.shape[1:], shape)
+        if shape != _stored(ckpt, c.source, slot.shape[1:]):
+            raise _shape_error(ckpt, c.source, _stored(ckpt, c.source, slot.shape[1:]), shape)
         if c.index >= E:
             raise LayoutError(
                 f"expert index {c.index} but config has num_experts={E}",
@@ -296,21 +302,24 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
         sources, gather = _gather_switch(ckpt, slot, cs, spec)
     elif len(cs) == 1 and cs[0].part in KV_B_PARTS:
         sources, gather = _gather_kv_b(ckpt, slot, cs[0])
+    elif len(cs) == 1 and cs[0].part is Gather.GROUPS:
+        sources, gather = _gather_groups(ckpt, slot, cs[0])
     else:
         if len(cs) != 1 or cs[0].part is not Gather.LOAD:
             raise LayoutError(f"{len(cs)} source tensors map to {slot.name}", key=cs[0].source)
         key = cs[0].source
         shape = ckpt.tensors[key].shape
-        want = slot.shape
+        want = _stored(ckpt, key, slot.shape)
         if slot.kind == CONV and raw:
             want = (slot.shape[0], 1, slot.shape[1])
         if shape != want:
             raise _shape_error(ckpt, key, want, shape)
         sources, gather = (_ref(ckpt, key),), Gather.LOAD
-    forms = {fp8.block_of(s.scale.key) if s.scale is not None else None for s in sources}
+    forms = {(fp8.form_of(s), s.scale.dtype if s.scale else None) for s in sources}
     if len(forms) > 1:
-        raise LayoutError(f"the sources of {slot.name} mix FP8 scale forms (block, per tensor, none): each must be "
-                          "read the same way", file=ckpt.tensors[sources[0].key].file, key=sources[0].key)
+        raise LayoutError(f"the sources of {slot.name} mix quantized forms (FP8 block or per tensor, MXFP4, their "
+                          "scale dtypes, none): each must be read the same way", file=ckpt.tensors[sources[0].key].file,
+                          key=sources[0].key)
     kinds = BUFFER_DTYPES if slot.kind == BUFFER else FLOAT_SOURCE_DTYPES
     for s in sources:
         if s.dtype not in kinds and s.scale is None:
@@ -319,7 +328,25 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
     if slot.kind == BUFFER:  # carried as stored: the model computes it from its config, no cast
         dtype = mlx_dtype_name(sources[0].dtype)
     q = decide(slot, quant)
-    return PlanItem(slot, sources, gather, _steps(slot, sources, gather, raw, dtype, q), _out_dtype(slot, dtype), q)
+    carry = fp8.carried(sources[0], q)
+    steps = (_carry_steps(gather, carry) if carry is not None else _steps(slot, sources, gather, raw, dtype, q))
+    return PlanItem(slot, sources, gather, steps, _out_dtype(slot, dtype), carry or q)
+
+
+def _carry_steps(gather: Gather, carry: QuantSpec) -> Tuple[Step, ...]:
+    """The steps of a source carried into MLX's format as it is stored (``fp8.carried``): its gather, the view."""
+    recorded = gather_step(gather)
+    return ((recorded,) if recorded is not None else ()) + (CarryMX(carry.mode),)
+
+
+def _gather_groups(ckpt: Checkpoint, slot: Slot, c: Mapped):
+    """A grouped projection stored as one [G * R, C] matrix, the source of the [G, R, C] slot."""
+    shape = ckpt.tensors[c.source].shape
+    form = (slot.shape[0] * slot.shape[1], slot.shape[2]) if len(slot.shape) == 3 else None
+    want = _stored(ckpt, c.source, form) if form else None
+    if shape != want:
+        raise _shape_error(ckpt, c.source, want, shape)
+    return (_ref(ckpt, c.source),), Gather.GROUPS
 
 
 def _vision_items(ckpt: Checkpoint, vision: List[Mapped], keep: bool, raw: bool, dtype: str,
@@ -350,8 +377,10 @@ def _out_dtype(slot: Slot, dtype: str) -> str:
 def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool, dtype: str,
            q: Optional[QuantSpec]) -> Tuple[Step, ...]:
     steps: List[Step] = []
-    if any(s.scale is not None for s in sources):
-        steps.append(DequantFP8(fp8.block_of(sources[0].scale.key)))
+    if fp8.form_of(sources[0]) == fp8.MXFP4:
+        steps.append(DequantMXFP4())
+    elif sources[0].scale is not None:
+        steps.append(DequantFP8(fp8.block_of(sources[0])))
     if (recorded := gather_step(gather)) is not None:
         steps.append(recorded)
     if slot.kind == CONV and raw:
@@ -395,8 +424,6 @@ def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) ->
     for i, group in enumerate(groups):
         for item in group:
             item.shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
 
 
 def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision: bool, mtp_count_key: str) -> dict:

@@ -27,6 +27,29 @@ class DequantFP8:
 
 
 @dataclass(frozen=True)
+class DequantMXFP4:
+    """MXFP4 sources to float32: each E2M1 code (two a byte, the low nibble first) times ``2^(e - 127)`` of its
+    32-input group's E8M0 scale; done as each source is read, before the gather."""
+
+    @property
+    def label(self) -> str:
+        return "dequant:mxfp4/32"
+
+
+@dataclass(frozen=True)
+class CarryMX:
+    """A source MLX holds as it is stored (plan.fp8.carried): its codes viewed as ``mode``'s uint32 words and its
+    E8M0 scales as ``mode``'s uint8 scales (FP8's block scales repeated over the block's rows and 32-wide groups);
+    done as the source is read, no value computed."""
+
+    mode: str  # mxfp4 | mxfp8
+
+    @property
+    def label(self) -> str:
+        return f"carry:{self.mode}"
+
+
+@dataclass(frozen=True)
 class StackExperts:
     """Expert e of the sources at row e (SwitchLinear layout); done by the gather."""
 
@@ -55,6 +78,15 @@ class SplitKVB:
     @property
     def label(self) -> str:
         return f"split_kv_b[{self.part}]"
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """A [G * R, C] matrix as [G, R, C] (the groups of a grouped projection, MultiLinear); done by the gather."""
+
+    @property
+    def label(self) -> str:
+        return "group_rows"
 
 
 @dataclass(frozen=True)
@@ -103,9 +135,10 @@ class Quantize:
         return f"quantize:{q.bits}b/g{q.group_size}/{q.mode}"
 
 
-Step = Union[DequantFP8, StackExperts, SplitGateUp, SplitKVB, PatchChannelsLast, ConvAxis, ShiftNorm, Cast, Quantize]
+Step = Union[DequantFP8, DequantMXFP4, CarryMX, StackExperts, SplitGateUp, SplitKVB, GroupRows, PatchChannelsLast,
+             ConvAxis, ShiftNorm, Cast, Quantize]
 # steps the read and the gather have already done when the chain runs
-GATHER_STEPS = (DequantFP8, StackExperts, SplitGateUp, SplitKVB, PatchChannelsLast)
+GATHER_STEPS = (DequantFP8, DequantMXFP4, CarryMX, StackExperts, SplitGateUp, SplitKVB, GroupRows, PatchChannelsLast)
 
 
 def gather_step(gather: Gather):
@@ -118,4 +151,6 @@ def gather_step(gather: Gather):
         return PatchChannelsLast()
     if gather in KV_B_PARTS:
         return SplitKVB(gather.value)
+    if gather is Gather.GROUPS:
+        return GroupRows()
     return None

@@ -3,6 +3,7 @@ against the layout, and the config's own consistency."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -75,11 +76,12 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
     aux: Dict[str, Dict[str, str]] = defaultdict(dict)  # canonical module -> {scales|biases: key}
     targets: Dict[str, List] = defaultdict(list)
     expert_styles = Counter()
+    scales = fp8.scale_keys(ckpt.tensors)
     for key in ckpt.tensors:
         if m := QUANT_AUX.search(key):
             aux[canonical_module(key[: m.start()], family)][m.group(1)] = key
             continue
-        if fp8.is_scale(key) or fp8.refused_format(key):
+        if key in scales or fp8.refused_format(key):
             continue  # checked with their weights (_check_sources)
         try:
             mapped = family.contributions(key)
@@ -125,6 +127,8 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
         if contribs[0].part in KV_B_PARTS:
             check_kv_b(ckpt, slot, contribs[0], report)
             continue
+        if contribs[0].part is Gather.GROUPS:  # a grouped projection's [G * R, C] source
+            slot = dataclasses.replace(slot, shape=(slot.shape[0] * slot.shape[1], *slot.shape[2:]))
         check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
     head_only = any_mtp and all(family.is_head(t) for t in targets)
     if head_only:
@@ -155,7 +159,7 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
 
     dtypes: Dict[str, Counter] = defaultdict(Counter)
     for key, info in ckpt.tensors.items():
-        if QUANT_AUX.search(key) or fp8.is_scale(key):
+        if QUANT_AUX.search(key) or key in scales:
             continue
         group = "vision" if "visual" in key or key.startswith("vision_tower") else (
             MTP if key.startswith((family.sidecar_prefix, family.head_prefix)) else "backbone")
@@ -350,7 +354,7 @@ def check_kv_b(ckpt, slot, contrib, report) -> None:
 def check_shape(ckpt, slot, key: str, raw: bool, aux, report) -> None:
     """A tensor against its slot's shape (a raw conv1d [C,1,K]; a quantized one by all but its packed axis)."""
     info = ckpt.tensors[key]
-    want = slot.shape
+    want = fp8.stored_shape(key, ckpt.tensors, slot.shape)  # MXFP4: two codes a byte
     if slot.kind == CONV and raw:
         want = (slot.shape[0], 1, slot.shape[1])
     if aux and "scales" in aux:

@@ -103,11 +103,16 @@ class BoundedSwitchGLU(nn.Module):
 
 
 def is_float_switch_glu(m: nn.Module) -> bool:
-    """A ``SwitchGLU`` whose three projections are unquantized and not float32."""
+    """A ``SwitchGLU`` whose three projections are unquantized and not float32: mlx-lm's, or mlx-vlm's copy of it
+    (whose MoE block calls any other module as ``switch_mlp(x, indices)`` and combines the result itself)."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
-    return isinstance(m, SwitchGLU) and all(
-        type(getattr(m, n)) is SwitchLinear and getattr(m, n)["weight"].dtype != mx.float32 for n in PROJECTIONS)
+    def float_switch(p) -> bool:
+        plain = type(p) is SwitchLinear or (type(p).__name__ == "SwitchLinear" and "scales" not in p)
+        return plain and p["weight"].dtype != mx.float32
+
+    glu = isinstance(m, SwitchGLU) or (type(m).__name__ == "SwitchGLU" and type(m).__module__.startswith("mlx_vlm."))
+    return glu and all(float_switch(getattr(m, n, None)) for n in PROJECTIONS)
 
 
 def bound_float_experts(module: nn.Module, budget_bytes: Optional[int] = None) -> int:

@@ -29,7 +29,8 @@ Z95 = 1.959964
 class _NoMLP(nn.Module):
     """Stands in for a decoder layer's MLP: contributes nothing to the residual stream."""
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, *routing) -> mx.array:
+        """``routing``: what else a layer hands its MLP (the token ids a hash-routed MoE reads)."""
         return mx.zeros_like(x)
 
 

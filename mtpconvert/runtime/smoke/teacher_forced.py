@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ...errors import LayoutError
+from ..backbone import module_at
 from ..decoding.locate import HeadTensors
 from .compute import _finish_layer, fast_float_dtype
 from .floors import LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
@@ -215,8 +216,10 @@ class TeacherForcedPass:
             raise LayoutError(f"layer {self.next_layer} of {self.layers} was never run: its tensors are missing",
                               file=folder.path)
         result.head_source = head_tensors.source
-        final = _load_module(folder, folder.paths.norm, folder.shell.norm)
-        _finish_layer(final, self.exact, self.dtype)
+        final = [_load_module(folder, path, module_at(folder.shell.model, path))
+                 for path in (folder.paths.norm, *folder.paths.readout)]
+        for module in final:
+            _finish_layer(module, self.exact, self.dtype)
         hs = [folder.shell.close(x) for x in self.xs]
         outs = [folder.shell.readout(h) for h in hs]
         mx.eval(hs, outs)
