@@ -292,7 +292,7 @@ def test_a_per_tensor_scale_beside_a_float_weight_is_named(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from checkpoints import build
+    from tests.checkpoints import build
     from mtpconvert.verify import verify
 
     built = build(tmp_path / "src", tokenizer=False)
