@@ -270,3 +270,53 @@ def test_streamed_pull_writes_what_a_local_conversion_writes(releases, tmp_path,
     for name in ["mtp.safetensors"] + sorted(p.name for p in local.glob("model*.safetensors")):
         assert (tmp_path / "pulled" / name).read_bytes() == (local / name).read_bytes(), name
     assert api.verify(tmp_path / "pulled").ok
+
+
+@pytest.mark.parametrize("option", ["float32", "q4"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_our_runtime_greedy_mtp_equals_plain(converted, option, depth):
+    """Through the family's adapter (mlx-vlm's language model for the pre-mixer hidden, its speculative cache
+    transaction to undo a pass) and the head built from mlx-vlm's drafter modules: the head's own drafts, then
+    drafts replaced by the true token at rate 0.6 (``measure.oracle``), so accepted and partly accepted passes are
+    undone too (GatedDeltaNet state, the n-gram history and the attention caches alike)."""
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.decoding.speculative import mtp_generate, plain_generate
+    from mtpconvert.runtime.measure.oracle import Oracle
+
+    m = load(converted["per-expert", option])
+    plain, _ = plain_generate(m, IDS[:10], 16 + depth)
+    tokens, stats = mtp_generate(m, IDS[:10], 16, depth=depth, check_offsets=True)
+    assert tokens == plain[:16] and stats.proposed[0] > 0
+    oracle = Oracle(0.6, m.backbone.vocab_size, {0: plain})
+    tokens, stats = mtp_generate(m, IDS[:10], 16, depth=depth, check_offsets=True, draft_hook=oracle.for_stream(0))
+    assert tokens == plain[:16] and sum(stats.accepted) > 0 and oracle.stats.wrong > 0
+
+
+def test_our_plain_greedy_is_mlx_vlms(converted):
+    """The adapter's plain decoding is mlx-vlm's own: the same greedy tokens as its ``generate_step``."""
+    from mlx_vlm.generate import generate_step
+
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.decoding.speculative import plain_generate
+
+    out = converted["per-expert", "float32"]
+    ours, _ = plain_generate(load(out), IDS, 16)
+    theirs = [int(t) for t, _ in generate_step(mx.array([IDS]), vlm_model(out), None, None, max_tokens=16,
+                                               temperature=0.0)]
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("option", ["float32", "q4"])
+def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, option):
+    """One layer resident at a time, the head loaded from the sidecar through the drafter's names: the same tokens
+    as the whole model loaded."""
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
+    from mtpconvert.runtime.smoke.teacher_forced import teacher_forced_full
+
+    out = converted["per-expert", option]
+    ids = [IDS, IDS[3:12]]
+    layerwise = layerwise_acceptance(out, token_ids=ids, exact=True)
+    full = teacher_forced_full(load(out), ids)
+    assert layerwise.backbone_next == full.backbone_next
+    assert layerwise.head_next == full.head_next and layerwise.head_next_without_mlp == full.head_next_without_mlp
