@@ -85,6 +85,12 @@ class Release:
     vocab: int = 248320  # lm_head is vocab x hidden (Qwen3.5/3.6/3.8: 248,320; Qwen3-Next: 151,936; GLM: its config's)
     # total parameters in billions where the repository's name does not give them (GLM-4.7-Flash, GLM-4.5-Air)
     params_b: Optional[float] = None
+    # the head has an input projection that is never quantized (Qwen's mtp.fc, GLM's eh_proj: 2 x hidden^2);
+    # DeepSeek-V4's e_proj / h_proj are quantized like any linear
+    fc: bool = True
+    # routed experts stored as MXFP4 (DeepSeek-V4), carried as MLX's mxfp4 whatever the bits (4.25 bits a value):
+    # three stacks of tensor_b in every layer and in the head, and the largest output tensor one of them
+    mxfp4_experts: bool = False
 
     @property
     def head_b(self) -> float:
@@ -93,8 +99,13 @@ class Release:
 
     @property
     def fc_b(self) -> float:
-        """``mtp.fc``'s (GLM: ``eh_proj``'s) parameters, in billions: never quantized (docs/transforms.md)."""
-        return 2 * self.hidden * self.hidden / 1e9
+        """``mtp.fc``'s (GLM: ``eh_proj``'s) parameters, in billions: never quantized (docs/transforms.md); 0 where the
+        head has none (``fc``)."""
+        return 2 * self.hidden * self.hidden / 1e9 if self.fc else 0.0
+
+    @property
+    def mxfp4_b(self) -> float:  # one layer's (and the head's) MXFP4 routed experts, in billions
+        return 3 * self.tensor_b if self.mxfp4_experts else 0.0
 
 
 def read_releases(path: Path = RELEASES_FILE) -> Dict[str, Release]:
@@ -123,6 +134,7 @@ MARGIN_GB = 1.0  # config, tokenizer, index, logs, filesystem slack
 # Whole raw shards are counted at their release's mean size (the tables give shard counts, not sizes):
 # a recipe streaming whole shards fits a runner only with this much disk to spare besides.
 SHARD_SIZE_HEADROOM_GB = 1.0
+MXFP4_BITS = 4 + 8 / 32  # a carried MXFP4 value: its E2M1 code and its share of an E8M0 byte per 32
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,22 @@ class Recipe:
             return self._float_gb(params_b)
         return params_b * (bits + 32 / (group_size or 64)) / 8
 
+    def _gb_quantized(self, params_b: float, bits: Optional[int] = None, group_size: Optional[int] = None) -> float:
+        """``_gb_at_bits`` of a layer (or the head) whose MXFP4 experts are carried at 4.25 bits whenever quantized."""
+        carried = self.release.mxfp4_b if (bits if bits is not None else self.bits) else 0.0
+        return self._gb_at_bits(params_b - carried, bits, group_size) + carried * MXFP4_BITS / 8
+
+    @property
+    def largest_tensor_gb(self) -> float:
+        """The largest output tensor at the recipe's bits (one stack of MXFP4 experts as carried, where there are)."""
+        if self.release.mxfp4_experts and self.bits:
+            return self.release.tensor_b * MXFP4_BITS / 8
+        return self._gb_at_bits(self.release.tensor_b)
+
+    @property
+    def layer_gb(self) -> float:  # the largest decoder layer at the recipe's bits
+        return self._gb_quantized(self.release.layer_b)
+
     @property
     def raw_release_gb(self) -> float:
         """The release's raw data: as stored where the release says (block-FP8: ~1 byte a parameter), else bf16."""
@@ -207,7 +235,7 @@ class Recipe:
     def output_shard_gb(self) -> float:
         """The largest output shard: ``max_shard_gb`` (GiB), or the largest output tensor at the recipe's bits
         where that is larger (a tensor, with its scales and biases, never spans shards: ``plan.build``)."""
-        return max(self.max_shard_gb * (1 << 30) / 1e9, self._gb_at_bits(self.release.tensor_b))
+        return max(self.max_shard_gb * (1 << 30) / 1e9, self.largest_tensor_gb)
 
     @property
     def head_gb(self) -> float:
@@ -224,7 +252,7 @@ class Recipe:
             bits, group = self.bits, self.group_size
         else:
             return self._float_gb(r.head_b)
-        return self._float_gb(r.fc_b) + self._gb_at_bits(r.head_b - r.fc_b, bits, group)
+        return self._float_gb(r.fc_b) + self._gb_quantized(r.head_b - r.fc_b, bits, group)
 
     @property
     def head_cpu_gb(self) -> float:
@@ -260,7 +288,7 @@ class Recipe:
         the recipe's bits and the MTP head as held on the CPU (``head_cpu_gb``), plus ``lm_head`` at the recipe's
         bits (held from its shard to the end), plus ~0.5 GB of activations and lm_head block and ~1 GB for the
         converter running beside it."""
-        return max(self._gb_at_bits(self.release.layer_b), self.head_cpu_gb) + self.lm_head_gb + 1.5
+        return max(self.layer_gb, self.head_cpu_gb) + self.lm_head_gb + 1.5
 
     @property
     def quant(self) -> QuantOptions:

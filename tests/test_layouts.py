@@ -17,7 +17,7 @@ from mtpconvert.io.header import TensorInfo
 from mtpconvert.io.checkpoint import Checkpoint
 
 MODELS = layouts.models()
-QWEN = [m for m in MODELS if not m.startswith("GLM-")]  # the GLM tables: tests/test_glm.py
+QWEN = [m for m in MODELS if not m.startswith(("GLM-", "DeepSeek-"))]  # GLM: tests/test_glm.py; DeepSeek below
 
 
 def test_the_vendored_tables_are_all_there():
@@ -66,6 +66,27 @@ def test_published_layout_plans_cleanly(name):
     # A_log: F32 in Qwen3.5, BF16 in Qwen3.6 - always float32 out
     a_log = next(it for it in plan.items if it.name.endswith("layers.0.linear_attn.A_log"))
     assert a_log.dtype == "float32"
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_deepseek_v4_flash_table_plans_cleanly(bits):
+    """Every tensor of the DeepSeek-V4-Flash table (weights, FP8 and MXFP4 scales) is consumed by the plan, none
+    dropped; at 4 bits the routed experts of the 43 layers and of the head are carried as mxfp4 and nothing else
+    is; in float they and every FP8 matrix are dequantized to the dtype asked."""
+    ckpt = table_checkpoint("DeepSeek-V4-Flash")
+    quant = QuantOptions(bits=bits, mtp="match" if bits else "keep")
+    plan = build_plan(ckpt, ConvertOptions(dtype="bfloat16", quant=quant))
+    used = {r.key for it in plan.items for s in it.sources for r in (s, s.scale) if r is not None}
+    assert used == set(ckpt.tensors) and not plan.dropped and plan.mtp_layers == 1
+    experts = [it for it in plan.items if ".switch_mlp." in it.name and it.name.endswith(".weight")]
+    assert len(experts) == 3 * 44
+    assert sum(it.name.startswith("mtp.") for it in experts) == 3
+    modes = {it.name: it.quant.mode if it.quant else None for it in plan.items}
+    if bits:
+        assert {modes[it.name] for it in experts} == {"mxfp4"}
+        assert {m for n, m in modes.items() if ".switch_mlp." not in n} <= {"affine", None}
+    else:
+        assert set(modes.values()) == {None}
 
 
 def test_qwen35_shard_names_and_fused_backbone():

@@ -20,6 +20,7 @@ from mtpconvert import api
 from mtpconvert.cli import app
 from mtpconvert.errors import OptionsError
 from mtpconvert.plan import build_plan
+from mtpconvert.plan.fp8 import FP4_PACKED, scale_keys
 from mtpconvert.io.checkpoint import MTP_FILE
 from mtpconvert.io.header import dtype_itemsize
 from mtpconvert.options import RawPolicy
@@ -34,7 +35,7 @@ NEXT = ("Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Thinking")
 GLM = ("GLM-4.7-Flash", "GLM-4.5-Air")
 # releases with no vendored tensor table of their own: the one whose table they share (the same config, key for key)
 SAME_TABLE = {"Qwen3-Next-80B-A3B-Thinking": "Qwen3-Next-80B-A3B-Instruct"}
-LAYER = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat
+LAYER = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat, DeepSeek-V4
 OUT_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")
 LM_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
 # A family release's recipe matrix: bits and dtype, and the short dtype its names use.
@@ -222,7 +223,9 @@ def test_release_numbers_are_the_vendored_layouts(name):
     shard counts are not known (SOURCE.md gives none) and its names give no parameter count (Release.params_b)."""
     release, ckpt = RELEASES[name], release_checkpoint(name)
     text = ckpt.config.get("text_config", ckpt.config)
-    params = {k: math.prod(t.shape) for k, t in ckpt.tensors.items() if not k.endswith(".weight_scale_inv")}
+    scales = scale_keys(ckpt.tensors)  # FP8 scales are no parameters; an MXFP4 byte holds two
+    params = {k: math.prod(t.shape) * (2 if t.dtype in FP4_PACKED else 1) for k, t in ckpt.tensors.items()
+              if k not in scales}
     nextn = str(text["num_hidden_layers"])  # GLM's head; no Qwen key has a layer of that index
     layers, head = Counter(), 0
     for key, n in params.items():
@@ -247,7 +250,7 @@ def test_release_numbers_are_the_vendored_layouts(name):
     # GLM-4.7-Flash)
     experts = routed * text.get("moe_intermediate_size", 0) * text["hidden_size"]
     assert release.tensor_b == round(largest / 1e9, 2) == round(max(experts, release.vocab * text["hidden_size"]) / 1e9, 2)
-    assert release.fc_b * 1e9 == params.get("mtp.fc.weight", params.get(f"model.layers.{nextn}.eh_proj.weight"))
+    assert release.fc_b * 1e9 == params.get("mtp.fc.weight", params.get(f"model.layers.{nextn}.eh_proj.weight", 0))
     named = re.search(r"-\d+(?:\.\d+)?B", name)  # Qwen3.5-27B: 27
     assert release.params_b == (None if named else round(sum(params.values()) / 1e9, 2))
     files = file_bytes(ckpt)
@@ -304,10 +307,10 @@ def test_recipe_sizes_are_the_converters_plan():
         name = r.path.name
         # within what Release's rounding to 0.01 (GB or billion parameters) can move a size
         assert r.head_gb == pytest.approx(head / 1e9, abs=0.006), name
-        assert r._gb_at_bits(r.release.tensor_b) == pytest.approx(largest / 1e9, abs=0.006), name
+        assert r.largest_tensor_gb == pytest.approx(largest / 1e9, abs=0.006), name
         assert pair / 1e9 <= 2 * r.output_shard_gb + 0.006, name
         assert r.lm_head_gb == pytest.approx(lm_head / 1e9, abs=0.006), name
-        assert r._gb_at_bits(r.release.layer_b) == pytest.approx(max(layers.values()) / 1e9, abs=0.011), name
+        assert r.layer_gb == pytest.approx(max(layers.values()) / 1e9, abs=0.011), name
 
 
 def test_head_precision_sizes_the_sidecar(tmp_path):
@@ -489,3 +492,19 @@ def test_glm_recipes(monkeypatch):
     assert len(jobs) == 8 and {(j["size"], j["raw"]) for j in jobs} == {("standard", "1 GB window")}
     result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and all(f"zai-org/{n} " in result.output for n in GLM), result.output
+
+
+def test_deepseek_v4_recipe(monkeypatch):
+    """DeepSeek-V4-Flash at 4 bits: its MXFP4 experts carried as mxfp4 (4.25 bits a value) beside the affine backbone,
+    in every layer and in the head (--mtp match: the float head fits the standard runner's disk and memory neither),
+    one raw shard at a time; what it sizes is what the plan of the release's table writes."""
+    monkeypatch.chdir(ROOT)
+    (r,) = [r for r in list_recipes(ROOT / "recipes") if r.release_name == "DeepSeek-V4-Flash"]
+    assert r.release.mxfp4_experts and not r.release.fc and r.release.fc_b == 0
+    assert r.mtp == "match" and r.runner == "standard" and r.raw_policy.describe() == "1 shard"
+    plan = build_plan(release_checkpoint(r.release_name), r.options)
+    experts = [it for it in plan.items if ".switch_mlp." in it.name]
+    assert experts and {it.quant.mode for it in experts} == {"mxfp4"}  # the head's too
+    assert {it.quant.mode for it in plan.items if it.quant and ".switch_mlp." not in it.name} == {"affine"}
+    assert r.largest_tensor_gb == pytest.approx(r.release.tensor_b * 4.25 / 8)
+    assert not replace(r, mtp="keep").fits("standard")
