@@ -47,11 +47,11 @@ def _existing_dtype(ckpt, family) -> str:
     return "bfloat16"
 
 
-def _head_config(config: dict, plan, modules: Sequence[str] = ()) -> dict:
+def _head_config(config: dict, plan) -> dict:
     """``config`` with the head's fields from the plan's config: layer count, the sidecar's
     extra-tensor record and hidden-state mode, and the head's quantization entries (those under the head's
-    prefixes, and any other the folder lacks that names none of its ``modules``: a family's entries for the
-    head's modules as its runtime names them, ``Family.loadable_config``)."""
+    prefixes, and those the family adds for the head's modules as its runtime names them, which name no
+    tensor of the plan: ``Family.loadable_config``)."""
     config = dict(config)
     tc = config["text_config"] if isinstance(config.get("text_config"), dict) else config
     planned_tc = plan.config.get("text_config", plan.config)
@@ -61,12 +61,11 @@ def _head_config(config: dict, plan, modules: Sequence[str] = ()) -> dict:
     if "mlx_lm_extra_tensors" in plan.config:
         config["mlx_lm_extra_tensors"] = plan.config["mlx_lm_extra_tensors"]
     head = (plan.family.sidecar_prefix, *HEAD_PREFIXES)
-    stored = set(modules)
+    named = {it.slot.module for it in plan.items} | {"group_size", "bits", "mode"}
     for block in ("quantization", "quantization_config"):
         if block in config:
             config[block] = {**config[block], **{k: v for k, v in plan.config.get(block, {}).items()
-                                                 if k.startswith(head) or (k not in config[block]
-                                                                           and k not in stored)}}
+                                                 if k.startswith(head) or k not in named}}
     return config
 
 
@@ -129,8 +128,7 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
         finally:
             reader.close()
 
-        modules = {k.rsplit(".", 1)[0] for k in existing.tensors}
-        config = _head_config(existing.config, plan, modules)
+        config = _head_config(existing.config, plan)
         folder.write_json("config.json", config)
         index = json.loads((mlx_dir / INDEX_NAME).read_text()) if (mlx_dir / INDEX_NAME).exists() else {
             "metadata": {}, "weight_map": {k: s for s in existing.shards for k in existing.headers[s].tensors}}

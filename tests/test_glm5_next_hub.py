@@ -122,6 +122,24 @@ def test_add_mtp_from_a_local_release_gives_the_conversions_head(release, headle
     assert again.exit_code != 0 and "already has MTP tensors" in again.output
 
 
+def test_add_mtp_names_the_head_under_the_drafters_paths_as_the_plan_does(release, headless, tmp_path):
+    """The drafter's entries (``mtp_block.*``, ``eh_proj``) name no tensor of the folder; ones the folder's config
+    still holds from an earlier float head (False: unquantized) are replaced by the grafted head's, else mlx-vlm's
+    drafter would build the 8-bit head as float."""
+    config = json.loads((headless / "config.json").read_text())
+    for block in ("quantization", "quantization_config"):
+        config[block].update({"mtp_block.self_attn.qkv_a_proj": False, "mtp_block.self_attn.o_proj": False})
+    (headless / "config.json").write_text(json.dumps(config))
+    local = tmp_path / "local"
+    convert_folder(release, local, bits=4, group_size=32, mtp_bits=8)
+    result = runner.invoke(app, ["add-mtp", str(release), str(headless), "--no-smoke", "--mtp-bits", "8"])
+    assert result.exit_code == 0, result.output
+    grafted, reference = (json.loads((f / "config.json").read_text()) for f in (headless, local))
+    assert grafted["quantization"]["mtp_block.self_attn.qkv_a_proj"]["bits"] == 8
+    for block in ("quantization", "quantization_config"):
+        assert grafted[block] == reference[block]
+
+
 def test_add_mtp_from_the_hub_reads_only_the_heads_byte_ranges(hub, release, local, headless):
     head_shard = sorted(p.name for p in release.glob("model-*.safetensors"))[-1]
     result = runner.invoke(app, ["add-mtp", REPO, str(headless), "--no-smoke"])
