@@ -14,8 +14,9 @@ from .base import Family, config_model_type, text_config
 from .qwen3_5 import FAMILY as QWEN3_5
 from .glm import FAMILIES as GLM_FAMILIES
 from .qwen3_next import FAMILY as QWEN3_NEXT
+from .nemotron_h import FAMILY as NEMOTRON_H
 
-FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, *GLM_FAMILIES)
+FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, *GLM_FAMILIES, NEMOTRON_H)
 
 # model types seen in releases with an MTP head that no family here converts yet
 UNSUPPORTED: Dict[str, str] = {

@@ -68,8 +68,8 @@ def _map_all(ckpt: Checkpoint, family: Family) -> List[Mapped]:
     same reason as one that shares a shard with kept tensors."""
     mapped = []
     for key, file in _source_files(ckpt).items():
-        if fp8.is_scale(key):
-            continue  # read with its weight
+        if fp8.is_scale(key) or fp8.ignored(key):
+            continue  # read with its weight, or dropped (build_plan)
         if QUANT_AUX.search(key):
             raise LayoutError(
                 "checkpoint is already quantized; convert needs unquantized weights",
@@ -164,6 +164,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     fp8.check_scales(ckpt.tensors, files)
     style = family.style_of(files)
     raw = family.norms_zero_centred(ckpt.tensors)
+    raw_conv = family.conv_layout_raw(ckpt.tensors)
 
     contribs: Dict[str, List[Mapped]] = defaultdict(list)
     vision: List[Mapped] = []
@@ -173,7 +174,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         else:
             contribs[m.target].append(m)
 
-    dropped: List[Tuple[str, str]] = []
+    dropped: List[Tuple[str, str]] = [(key, fp8.ignored(key)) for key in files if fp8.ignored(key)]
     notes: List[str] = []
     n_mtp = _head_layers(ckpt, family, spec, contribs, dropped, notes, quant.mtp == "drop")
     slots = family.expected_slots(spec, n_mtp)
@@ -182,7 +183,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
 
     _refuse_absent(ckpt, [c for cs in contribs.values() for c in cs] + (vision if opts.keep_vision else []))
     _match_slots(ckpt, family, spec, style, slots, contribs)
-    items = [_item(ckpt, slot, contribs[name], spec, raw, dtype, quant) for name, slot in slots.items()]
+    items = [_item(ckpt, slot, contribs[name], spec, (raw, raw_conv), dtype, quant) for name, slot in slots.items()]
     items += _vision_items(ckpt, vision, opts.keep_vision, raw, dtype, dropped)
 
     # quantization entries name modules as the loader builds them: the sidecar head's as mtp.X,
@@ -290,8 +291,10 @@ def _gather_kv_b(ckpt: Checkpoint, slot: Slot, c: Mapped):
     return (_ref(ckpt, c.source),), c.part
 
 
-def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype: str, quant) -> PlanItem:
-    """One slot's item: its sources (shapes checked against the config), steps and quantization."""
+def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: Tuple[bool, bool], dtype: str,
+          quant) -> PlanItem:
+    """One slot's item: its sources (shapes checked against the config), steps and quantization; ``raw``: (norms
+    zero-centred, conv1d weights raw)."""
     if slot.kind == SWITCH:
         sources, gather = _gather_switch(ckpt, slot, cs, spec)
     elif len(cs) == 1 and cs[0].part in KV_B_PARTS:
@@ -302,7 +305,7 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
         key = cs[0].source
         shape = ckpt.tensors[key].shape
         want = slot.shape
-        if slot.kind == CONV and raw:
+        if slot.kind == CONV and raw[1]:
             want = (slot.shape[0], 1, slot.shape[1])
         if shape != want:
             raise _shape_error(ckpt, key, want, shape)
@@ -319,7 +322,8 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
     if slot.kind == BUFFER:  # carried as stored: the model computes it from its config, no cast
         dtype = mlx_dtype_name(sources[0].dtype)
     q = decide(slot, quant)
-    return PlanItem(slot, sources, gather, _steps(slot, sources, gather, raw, dtype, q), _out_dtype(slot, dtype), q)
+    return PlanItem(slot, sources, gather, _steps(slot, sources, gather, raw[0], dtype, q, raw[1]),
+                    _out_dtype(slot, dtype), q)
 
 
 def _vision_items(ckpt: Checkpoint, vision: List[Mapped], keep: bool, raw: bool, dtype: str,
@@ -348,13 +352,13 @@ def _out_dtype(slot: Slot, dtype: str) -> str:
 
 
 def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool, dtype: str,
-           q: Optional[QuantSpec]) -> Tuple[Step, ...]:
+           q: Optional[QuantSpec], raw_conv: Optional[bool] = None) -> Tuple[Step, ...]:
     steps: List[Step] = []
     if any(s.scale is not None for s in sources):
         steps.append(DequantFP8(fp8.block_of(sources[0].scale.key)))
     if (recorded := gather_step(gather)) is not None:
         steps.append(recorded)
-    if slot.kind == CONV and raw:
+    if slot.kind == CONV and (raw if raw_conv is None else raw_conv):
         steps.append(ConvAxis())
     if slot.kind == NORM and raw:
         steps.append(ShiftNorm())

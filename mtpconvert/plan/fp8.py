@@ -11,6 +11,12 @@ An F8_E4M3 weight ``X.weight`` has one scale, found beside it:
 
 Whether a tensor is FP8 is decided from its own dtype and its scale, never from the family or
 ``modules_to_not_convert``.
+
+NVIDIA ModelOpt's per-tensor FP8 (W8A8) stores two more scalars that the MLX output has no use for, dropped
+with their reason (``IGNORED``, docs/transforms.md): ``X.input_scale``, the static activation scale of the FP8
+matmul (MLX multiplies float activations by the dequantized weight, as mlx-vlm does after consuming the same
+scale in its ModelOpt transform), and ``k_proj.k_scale`` / ``v_proj.v_scale``, the FP8 KV-cache scales (MLX's KV
+caches hold the activation dtype; mlx-vlm drops both).
 """
 
 from __future__ import annotations
@@ -33,7 +39,12 @@ REFUSED = (
     (".weight_packed", "FP4 (compressed-tensors)"),
     (".weight_global_scale", "NVFP4 (compressed-tensors)"),
     (".input_global_scale", "NVFP4 (compressed-tensors)"),
-    (".input_scale", "per-tensor FP8 / NVFP4 with activation scales (NVIDIA ModelOpt)"),
+)
+# Scalars of a quantized release that the MLX output does not carry: suffix -> why (see the module doc)
+IGNORED = (
+    (".input_scale", "activation scale of an FP8 matmul (MLX computes activations in float)"),
+    (".k_scale", "FP8 KV-cache scale (MLX's KV cache holds the activation dtype)"),
+    (".v_scale", "FP8 KV-cache scale (MLX's KV cache holds the activation dtype)"),
 )
 
 
@@ -61,6 +72,11 @@ def is_block_scale(key: str) -> bool:
 def block_of(scale: str) -> int:
     """The step's block size for a scale: 128 for a block scale, 0 for one scalar over the tensor."""
     return BLOCK if is_block_scale(scale) else 0
+
+
+def ignored(key: str) -> Optional[str]:
+    """Why a quantized release's scalar is not carried into the output, or None for any other key."""
+    return next((why for suffix, why in IGNORED if key.endswith(suffix)), None)
 
 
 def refused_format(key: str) -> Optional[str]:
@@ -121,6 +137,12 @@ def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
     problems = []
     used = set()
     for key, info in tensors.items():
+        if ignored(key):
+            if math.prod(info.shape) != 1 or info.dtype not in SCALE_DTYPES:
+                problems.append(LayoutError(f"{key.rpartition('.')[2]} of shape {list(info.shape)} and dtype "
+                                            f"{info.dtype} (expected one {'/'.join(SCALE_DTYPES)} value)",
+                                            file=file_of[key], key=key))
+            continue
         if is_scale(key):
             continue
         scale = scale_key(key, tensors) if key.endswith(".weight") else None

@@ -71,7 +71,8 @@ def _stored_weight(ckpt: Checkpoint, module: str, family: Family) -> Optional[st
     return None
 
 
-def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Report) -> None:
+def check_tensors(ckpt: Checkpoint, family: Family, spec, raw_conv: bool, report: Report) -> None:
+    """Every tensor against the family's slots; ``raw_conv``: conv1d weights are in the raw [C,1,K] layout."""
     aux: Dict[str, Dict[str, str]] = defaultdict(dict)  # canonical module -> {scales|biases: key}
     targets: Dict[str, List] = defaultdict(list)
     expert_styles = Counter()
@@ -79,8 +80,8 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
         if m := QUANT_AUX.search(key):
             aux[canonical_module(key[: m.start()], family)][m.group(1)] = key
             continue
-        if fp8.is_scale(key) or fp8.refused_format(key):
-            continue  # checked with their weights (_check_sources)
+        if fp8.is_scale(key) or fp8.refused_format(key) or fp8.ignored(key):
+            continue  # checked with their weights (_check_sources); activation / KV-cache scales are not converted
         try:
             mapped = family.contributions(key)
         except LayoutError as e:
@@ -125,7 +126,7 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
         if contribs[0].part in KV_B_PARTS:
             check_kv_b(ckpt, slot, contribs[0], report)
             continue
-        check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
+        check_shape(ckpt, slot, contribs[0].source, raw_conv, aux.get(slot.module), report)
     head_only = any_mtp and all(family.is_head(t) for t in targets)
     if head_only:
         report.layout = "head-only"
@@ -347,11 +348,11 @@ def check_kv_b(ckpt, slot, contrib, report) -> None:
                    f"{list(slot.shape)}", contrib.source, info.file)
 
 
-def check_shape(ckpt, slot, key: str, raw: bool, aux, report) -> None:
+def check_shape(ckpt, slot, key: str, raw_conv: bool, aux, report) -> None:
     """A tensor against its slot's shape (a raw conv1d [C,1,K]; a quantized one by all but its packed axis)."""
     info = ckpt.tensors[key]
     want = slot.shape
-    if slot.kind == CONV and raw:
+    if slot.kind == CONV and raw_conv:
         want = (slot.shape[0], 1, slot.shape[1])
     if aux and "scales" in aux:
         if info.shape[:-1] != want[:-1]:
