@@ -265,12 +265,13 @@ def direct_read(block: Block, ckpt: Checkpoint, dequantize_fp8: bool = False) ->
     """How to read ``block``'s gathered source in plain reads, or None where the gather needs
     a copy (vision patch), the block is empty or a scalar, or the sources differ in dtype.
     A block-FP8 item is read this way only with ``dequantize_fp8`` (the host dequantizes: a CPU
-    backend) and when nothing but a cast follows its dequantization."""
+    backend) and when nothing but a cast follows its dequantization; a per-tensor FP8 item never (its
+    scale has no rows to read with the codes: ``read_fp8`` dequantizes it in MLX)."""
     item, a, b = block.item, block.start, block.stop
     if item.gather not in NUMPY_GATHERS or b <= a or len({s.dtype for s in item.sources}) != 1:
         return None
     if is_fp8(item):
-        return _direct_fp8(block, ckpt) if dequantize_fp8 else None
+        return _direct_fp8(block, ckpt) if dequantize_fp8 and is_block_fp8(item) else None
     infos = ([ckpt.tensors[s.key] for s in item.sources[a:b]] if item.gather is Gather.STACK
              else [ckpt.tensors[item.sources[0].key]])
     if not infos[0].shape or infos[0].dtype not in DTYPES:

@@ -105,7 +105,8 @@ def refuse(files: Mapping) -> None:
         raise LayoutError(
             f"{name} checkpoint: its quantized weights are not converted (no lossless path to MLX's own "
             "formats is implemented)", file=file, key=key,
-            hint="convert the BF16 release or Qwen's block-FP8 release (F8_E4M3 + weight_scale_inv) of the model",
+            hint="convert the BF16 release of the model, or an FP8 one (F8_E4M3 with block scales weight_scale_inv, "
+                 "or ModelOpt's per-tensor weight_scale)",
         )
 
 
@@ -136,7 +137,11 @@ def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
     grid, or one value), every scale an F8_E4M3 weight; one error naming the tensor per problem."""
     problems = []
     used = set()
+    # the weights of a refused format (refused_formats names it) carry scales of their own kind: not FP8's
+    refused = {key.rpartition(".")[0] for key in tensors if refused_format(key)}
     for key, info in tensors.items():
+        if key.rpartition(".")[0] in refused:
+            continue
         if ignored(key):
             if math.prod(info.shape) != 1 or info.dtype not in SCALE_DTYPES:
                 problems.append(LayoutError(f"{key.rpartition('.')[2]} of shape {list(info.shape)} and dtype "

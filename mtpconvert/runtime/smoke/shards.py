@@ -297,10 +297,13 @@ def _load_module(folder: _Folder, path: str, module: nn.Module) -> nn.Module:
 
 
 def _load_head(folder: _Folder, head_tensors: HeadTensors) -> nn.Module:
-    """The head's fc, norms and first layer (the one every first draft uses), as runtime.decoding.load builds it."""
+    """The head's fc, norms and first layer (the one every first draft uses), as runtime.decoding.load builds it;
+    a head that is one layer whatever its keys (``Family.single_layer_head``: a nextn layer, or a prediction module
+    whose blocks are ``layers.{j}``) whole."""
     files = sorted({t.file for t in head_tensors.tensors.values()})
+    whole = folder.family.single_layer_head
     # a nextn head's own embedding and output projection are streamed in row blocks like the backbone's
-    wanted = {k for k in head_tensors.tensors if (not k.startswith("layers.") or k.startswith("layers.0."))
+    wanted = {k for k in head_tensors.tensors if (whole or not k.startswith("layers.") or k.startswith("layers.0."))
               and not k.startswith(HEAD_VOCAB)}
     weights = {}
     for f in files:
