@@ -177,6 +177,6 @@ def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
                                         f"{list(info.shape)} (expected {list(scale_shape(info.shape))}: 128x128 "
                                         "blocks)", file=file_of[scale], key=scale))
     for key in tensors:
-        if is_scale(key) and key not in used:
+        if is_scale(key) and key not in used and key.rpartition(".")[0] not in refused:
             problems.append(LayoutError("FP8 scale without its F8_E4M3 weight", file=file_of[key], key=key))
     return problems

@@ -201,9 +201,10 @@ class _Embedding:
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= folder._info(stem + ".weight").shape[0]):
             raise ValueError(f"token ids outside the embedding (0..{folder._info(stem + '.weight').shape[0] - 1})")
         vocab, hidden = folder._info(stem + ".weight").shape[0], folder.shell.hidden_size
-        holder = _Holder("embed_tokens", nn.Embedding(vocab, hidden))
+        name = stem.rsplit(".", 1)[-1]  # the module's own name (embed_tokens; Nemotron-H's embeddings): per-path
+        holder = _Holder(name, nn.Embedding(vocab, hidden))  # quantization entries and scales are keyed by it
         _quantize(holder, prefixes, folder.quant, folder.weights)
-        self.module = holder.embed_tokens
+        self.module = getattr(holder, name)
         self.module.update({k.rsplit(".", 1)[1]: folder.gather_rows(k, uniq) for k in folder._module_keys(stem)})
         mx.eval(self.module.parameters())
         self.index = {int(t): i for i, t in enumerate(uniq)}
