@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence
 
 from .errors import LayoutError
 from .execute.blocks import produce
+from .families import family_for
 from .hub.sparse import fetch_sparse
 from .io.checkpoint import INDEX_NAME, MTP_FILE, open_checkpoint
 from .io.files import contained
@@ -34,11 +35,10 @@ IN_MODEL_SHARD = "model-mtp.safetensors"  # --mtp-layout in-model: a model shard
 MLX_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
-def _existing_dtype(ckpt) -> str:
-    for key in ("language_model.model.norm.weight", "model.norm.weight"):
-        if key in ckpt.tensors:
-            return MLX_DTYPES.get(ckpt.tensors[key].dtype, "bfloat16")
-    return "bfloat16"
+def _existing_dtype(ckpt, family) -> str:
+    """The folder's float dtype, from its final norm (where the family's module paths put it)."""
+    key = family.module_paths.norm + ".weight"
+    return MLX_DTYPES.get(ckpt.tensors[key].dtype, "bfloat16") if key in ckpt.tensors else "bfloat16"
 
 
 def _head_config(config: dict, plan) -> dict:
@@ -71,11 +71,12 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
     q = existing.config.get("quantization") or {}
     quant = QuantOptions(q.get("bits"), q.get("group_size"), q.get("mode", "affine"), mtp, mtp_bits)
     raw = open_checkpoint(source_dir, absent=absent)
-    plan = build_plan(raw, ConvertOptions(dtype=_existing_dtype(existing), quant=quant, mtp_layout=mtp_layout))
+    family = family_for(raw.config)
+    plan = build_plan(raw, ConvertOptions(dtype=_existing_dtype(existing, family), quant=quant, mtp_layout=mtp_layout))
     if plan.mtp_layers == 0:
         raise LayoutError("the source checkpoint has no MTP head", file=source_dir)
     items = plan.head_items
-    for probe in ("language_model.model.embed_tokens.weight", "language_model.lm_head.weight"):
+    for probe in (family.module_paths.embed + ".weight", family.module_paths.lm_head + ".weight"):
         mine = next((it for it in plan.items if it.name == probe), None)
         theirs = existing.tensors.get(probe)
         if mine and theirs and mine.quant is None and tuple(theirs.shape) != tuple(mine.slot.shape):

@@ -216,6 +216,9 @@ def test_verify_accepts_the_folders_and_names_the_drafting_runtimes(converted):
         rows = {r.runtime: r for r in report.runtimes}
         assert rows["mlx-lm>=0.32"].backbone_exact.ok and rows["mlx-vlm"].backbone_exact.ok
         assert {r for r, row in rows.items() if row.head_usable.ok} == {"mlx-vlm", "mlx-vlm-drafter"}, name
+        # transformers 5 saves time_step_limit's infinity as {"__float__": "Infinity"}: mlx-lm 0.31.3 passes that dict
+        # to mx.clip (measured: ValueError: Invalid type dict), 0.32 decodes it
+        assert not rows["mlx-lm<0.32"].backbone_exact.ok and "time_step_limit" in rows["mlx-lm<0.32"].backbone_exact.reason
 
 
 def test_the_drafter_folder_is_the_models_config_beside_the_head(converted):

@@ -34,6 +34,25 @@ def _backbone(files: List[str], who: str) -> Verdict:
     return Verdict(True, f"{_files_str(files)} loaded as written (its nemotron_h sanitize drops mtp.*, shifts nothing)")
 
 
+def _float_tag(config: dict) -> Optional[str]:
+    """The first config key holding transformers 5's tag of a non-finite float (``{"__float__": "Infinity"}``)."""
+    for key, value in config.items():
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, dict) and "__float__" in v for v in items):
+            return key
+    return None
+
+
+def _old_backbone(folder: Folder, files: List[str], who: str) -> Verdict:
+    """mlx-lm 0.31.3 does not decode transformers' float tags (0.32 does, ``mlx_lm/utils.py:330-365``): its
+    Mamba2 mixer passes the dict to ``mx.clip`` and the first forward fails."""
+    tagged = _float_tag(folder.config)
+    if tagged:
+        return Verdict(False, f"config.json's {tagged} holds transformers' {{\"__float__\": ...}} tag, which {who} "
+                              "takes as it is: the Mamba2 forward fails (ValueError: Invalid type dict)")
+    return _backbone(files, who)
+
+
 def _vlm_files(folder: Folder) -> List[str]:
     weight_map = (folder.index or {}).get("weight_map") or {}
     return sorted(set(weight_map.values())) if weight_map else sorted(_root(folder))
@@ -126,20 +145,23 @@ def rows(folder: Folder, layout: str) -> Dict[str, RuntimeCompat]:
     def bb(files, who):
         return NO_BACKBONE if drafter else _backbone(files, who)
 
+    def old(files, who):
+        return NO_BACKBONE if drafter else _old_backbone(folder, files, who)
+
     none = Verdict(False, "the folder has no MTP tensors") if layout == "none" else None
     vlm_head = _split_drafter(folder) if drafter else (none or _root_route(folder))
     route = vlm_head if drafter else (none or _drafter_route(folder))
     not_run = Verdict(False, "serves Qwen MTP heads only; not run on nemotron_h")
     return {
-        mlx_lm.OLD[0]: RuntimeCompat(*mlx_lm.OLD, bb(shards, "mlx-lm 0.31"), mlx_lm.NO_DECODING),
+        mlx_lm.OLD[0]: RuntimeCompat(*mlx_lm.OLD, old(shards, "mlx-lm 0.31"), mlx_lm.NO_DECODING),
         mlx_lm.NEW[0]: RuntimeCompat(*mlx_lm.NEW, bb(shards, "mlx-lm 0.32"), mlx_lm.NO_DECODING),
         mlx_vlm.NAME: RuntimeCompat(*mlx_vlm.VLM, bb(_vlm_files(folder), "mlx-vlm"), vlm_head),
         mlx_vlm.DRAFTER_ROUTE: RuntimeCompat(mlx_vlm.DRAFTER_ROUTE, mlx_vlm.VERSION, bb(_vlm_files(folder), "mlx-vlm"),
                                              route),
-        mtplx.NAME: dataclasses.replace(mtplx.compat(folder, layout), backbone_exact=bb(shards, "mlx-lm 0.31.3"),
+        mtplx.NAME: dataclasses.replace(mtplx.compat(folder, layout), backbone_exact=old(shards, "mlx-lm 0.31.3"),
                                         head_usable=not_run, verified=False),
-        rapid_mlx.NAME: RuntimeCompat(*rapid_mlx.RAPID, bb(shards, "mlx-lm 0.31.3"), not_run, verified=False),
-        vllm_mlx.NAME: RuntimeCompat(*vllm_mlx.VLLM, bb(shards, "mlx-lm 0.31.3"), not_run, verified=False),
-        pr990.NAME: RuntimeCompat(*pr990.PR990, bb(shards, "mlx-lm 0.31.3"),
+        rapid_mlx.NAME: RuntimeCompat(*rapid_mlx.RAPID, old(shards, "mlx-lm 0.31.3"), not_run, verified=False),
+        vllm_mlx.NAME: RuntimeCompat(*vllm_mlx.VLLM, old(shards, "mlx-lm 0.31.3"), not_run, verified=False),
+        pr990.NAME: RuntimeCompat(*pr990.PR990, old(shards, "mlx-lm 0.31.3"),
                                   Verdict(False, "the PR #990 branch decodes MTP for qwen3_5 only"), verified=False),
     }

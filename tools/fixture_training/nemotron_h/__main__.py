@@ -22,6 +22,8 @@ def add_train_args(p) -> None:
     p.add_argument("--expert-size", type=int, default=None,
                    help=f"moe_intermediate_size (default {SHAPE['moe_intermediate_size']})")
     p.add_argument("--latent-size", type=int, default=None, help=f"moe_latent_size (default {SHAPE['moe_latent_size']})")
+    p.add_argument("--shared-expert-size", type=int, default=None,
+                   help=f"moe_shared_expert_intermediate_size (default {SHAPE['moe_shared_expert_intermediate_size']})")
     p.add_argument("--bias-rate", type=float, default=1e-3, help="e_score_correction_bias step per training step")
     p.add_argument("--final-norm-spread", type=float, default=3.0,
                    help="final norms' gains start log-uniform in [1/S, S] (1: all ones)")

@@ -35,7 +35,8 @@ SHAPE = dict(
 
 SHAPE_OPTS = {"hidden_size": "hidden_size", "pattern": "hybrid_override_pattern",
               "mtp_pattern": "mtp_hybrid_override_pattern", "experts": "n_routed_experts",
-              "top_k": "num_experts_per_tok", "expert_size": "moe_intermediate_size", "latent_size": "moe_latent_size"}
+              "top_k": "num_experts_per_tok", "expert_size": "moe_intermediate_size", "latent_size": "moe_latent_size",
+              "shared_expert_size": "moe_shared_expert_intermediate_size"}
 
 
 def shape_of(given) -> dict:
@@ -89,6 +90,12 @@ def nemotron_config(shape: dict = None) -> dict:
         "routed_scaling_factor": 2.5,
         "ssm_state_size": s["ssm_state_size"],
         "tie_word_embeddings": False,
+        # transformers clamps dt at time_step_min whatever time_step_limit says (modeling_nemotron_h.py:415), mlx-lm
+        # and mlx-vlm at time_step_limit: stating the same lower bound in both makes every reader compute what was
+        # trained. The upper bound is finite (no dt comes near it): JSON has no infinity, transformers 5 tags one as
+        # {"__float__": "Infinity"} and mlx-lm 0.31 passes that dict on to mx.clip
+        "time_step_limit": [0.001, 1.0e30],
+        "time_step_min": 0.001,
         "topk_group": 1,
         "transformers_version": transformers.__version__,
         "use_bias": False,
