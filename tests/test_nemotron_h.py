@@ -72,6 +72,26 @@ def test_families_lists_nemotron_h(capsys):
     assert listed["head_runtimes"] == ["mlx-vlm", "mlx-vlm-drafter"]
 
 
+def test_the_super_table_plans_every_tensor_and_the_whole_prediction_module():
+    """Nemotron-3 Super's reconstructed table (tests/data/layouts/SOURCE.md: it meets the published totals): every
+    tensor is used, the 1,040 mtp.* ones go to the 18 head slots of one MTP layer, experts stacked in order."""
+    from tests.test_layouts import table_checkpoint
+
+    ckpt = table_checkpoint("NVIDIA-Nemotron-3-Super-120B-A12B-BF16")
+    plan = build_plan(ckpt)
+    assert {s.key for it in plan.items for s in it.sources} == set(ckpt.tensors) and not plan.dropped
+    assert plan.mtp_layers == 1 and plan.style == "raw-text" and not plan.raw
+    head = [it for it in plan.items if it.slot.group == "mtp"]
+    assert len(head) == 18 and sum(len(it.sources) for it in head) == 1040
+    assert {it.shard for it in head} == {"mtp.safetensors"}
+    fc1 = next(it for it in head if it.name == "mtp.layers.1.mixer.switch_mlp.fc1.weight")
+    assert fc1.slot.shape == (512, 2688, 1024) and [s.key for s in fc1.sources[:2]] == [
+        "mtp.layers.1.mixer.experts.0.up_proj.weight", "mtp.layers.1.mixer.experts.1.up_proj.weight"]
+    conv = next(it for it in plan.items if it.name == "backbone.layers.0.mixer.conv1d.weight")
+    assert conv.slot.shape == (10240, 4, 1) and [s.label for s in conv.steps][0] == "conv_axis"
+    assert plan.config["num_nextn_predict_layers"] == 1 and plan.config["mtp_hybrid_override_pattern"] == "*E"
+
+
 def test_the_plan_keeps_every_head_tensor_and_moves_only_the_conv(raw):
     plan = build_plan(open_checkpoint(raw.path))
     used = {s.key for it in plan.items for s in it.sources}
