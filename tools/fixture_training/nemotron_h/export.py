@@ -22,6 +22,12 @@ from tools.fixture_training.nemotron_h.model import (F32_SUFFIXES, FIXTURE, SHAR
 SCRIPT = "tools/fixture_training/nemotron_h"  # training.json's "script": python -m tools.fixture_training.nemotron_h
 
 
+# the GLM comparison's own method text names its MLA decode path; the same measurement here steps Mamba2 and attention
+PARITY_METHOD = ("``full``: one forward over the ids. ``incremental``: ``prefill`` ids, then one id at a time through "
+                 "mlx-lm's cache (Mamba2's conv window and SSM state, attention's KV cache) against the same rows of "
+                 "transformers' full forward.")
+
+
 def head_logits(lm, head, tokens):
     """(backbone logits [B, L, V], head logits [B, L-1, V]); row t drafts token t+2 from (h_t, token t+1)."""
     import torch
@@ -183,7 +189,7 @@ def export_nemotron(args) -> None:
     load_release(lm, head, load_folder(out), cfg)
     acc = acceptance(lm, head, held, seq=getattr(args, "seq", None) or log["args"]["seq"])
     hf = NemotronHForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    mlx = mlx_lm_parity(out, hf, held[: getattr(args, "tokens", 128)])
+    mlx = dict(mlx_lm_parity(out, hf, held[: getattr(args, "tokens", 128)]), method=PARITY_METHOD)
     manifest = json.loads((stage / "manifest.json").read_text())
     step = checkpoint_step(ckpt)
     record = {
