@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence
 
 from .errors import LayoutError
 from .execute.blocks import produce
+from .families import family_for
 from .hub.sparse import fetch_sparse
 from .io.checkpoint import INDEX_NAME, MTP_FILE, open_checkpoint
 from .io.files import contained

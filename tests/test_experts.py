@@ -8,14 +8,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_map
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from mtpconvert.fixture import fixture_path
 from mtpconvert.runtime.smoke import compute, shards
 from mtpconvert.runtime.smoke.layerwise import layerwise_acceptance
 from mtpconvert.runtime.smoke.decode import encode_prompts
 from mtpconvert.runtime.decoding import experts
-from mtpconvert.runtime.decoding.experts import BoundedSwitchGLU, bound_float_experts, expert_groups
+from mtpconvert.runtime.decoding.experts import BoundedSwitchGLU, BoundedSwitchMLP, bound_float_experts, expert_groups
 from mtpconvert.runtime.decoding.load import float32_experts_on_cpu
 from mtpconvert.demo import fixture_prompts
 
@@ -53,6 +53,26 @@ def test_bounded_switch_glu_is_bit_identical_to_the_float32_stack(tokens, x_dtyp
     got = BoundedSwitchGLU(glu, budget)(x, indices)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("tokens", [5, 40])
+@pytest.mark.parametrize("budget", [1, 2 * 64 * 32 * 4 * 3, 1 << 30])  # 1 expert, 3 experts, all at once
+def test_bounded_switch_mlp_is_bit_identical_to_the_float32_stack(tokens, budget):
+    """mlx-lm's non-gated SwitchMLP (Nemotron-H's relu² experts: fc1, activation, fc2) the same way."""
+    import mlx.nn as nn
+
+    mx.random.seed(0)
+    mlp = SwitchMLP(64, 32, 16, activation=nn.ReLU2())
+    mlp.update(tree_map(lambda v: v.astype(mx.bfloat16), mlp.parameters()))
+    ref = SwitchMLP(64, 32, 16, activation=nn.ReLU2())
+    ref.update(tree_map(lambda v: v.astype(mx.float32), mlp.parameters()))
+    x = mx.random.normal((1, tokens, 64), key=mx.random.key(1))
+    indices = _routing(tokens, 16, 4)
+    got, want = BoundedSwitchMLP(mlp, budget)(x, indices), ref(x, indices)
+    assert got.shape == want.shape and got.dtype == want.dtype and mx.array_equal(got, want).item()
+    holder = nn.Module()
+    holder.experts = mlp
+    assert bound_float_experts(holder) == 1 and isinstance(holder.experts, BoundedSwitchMLP)
 
 
 def test_experts_per_group_follows_the_budget():

@@ -260,12 +260,11 @@ def test_unsupported_model_type(tmp_path):
     ({"weight_scale": ((8, 4), "float8_e4m3fn"), "weight_scale_2": ((), "float32"), "input_scale": ((), "float32")},
      "NVFP4 (NVIDIA ModelOpt)"),
     ({"weight_packed": ((64, 32), "uint8"), "weight_global_scale": ((1,), "float32")}, "FP4 (compressed-tensors)"),
-    ({"weight_scale": ((), "float32"), "input_scale": ((), "float32")},
-     "per-tensor FP8 / NVFP4 with activation scales (NVIDIA ModelOpt)"),
 ])
-def test_fp4_and_activation_scaled_sources_are_refused_by_format(tmp_path, extra, fmt):
-    """NVFP4/MXFP4 and ModelOpt releases with activation scales are not converted: the error names the format,
-    the tensor and what to convert instead, from the plan (nothing read) and in verify."""
+def test_fp4_sources_are_refused_by_format(tmp_path, extra, fmt):
+    """NVFP4/MXFP4 releases are not converted: the error names the format, the tensor and what to convert instead,
+    from the plan (nothing read) and in verify. (ModelOpt's per-tensor FP8 with activation scales converts:
+    tests/test_nemotron_h.py.)"""
     import torch
     from safetensors.torch import load_file, save_file
 

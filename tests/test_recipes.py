@@ -33,10 +33,13 @@ runner = CliRunner()
 NEXT = ("Qwen3-Next-80B-A3B-Instruct", "Qwen3-Next-80B-A3B-Thinking")
 # GLM releases with a recipe (zai-org/...): their tables are reconstructed from the config, every shard unknown
 GLM = ("GLM-4.7-Flash", "GLM-4.5-Air")
+# Nemotron-3 Super (nvidia/...): its table is reconstructed from the config, every shard unknown
+NEMOTRON = ("NVIDIA-Nemotron-3-Super-120B-A12B-BF16",)
 # releases with no vendored tensor table of their own: the one whose table they share (the same config, key for key)
 SAME_TABLE = {"Qwen3-Next-80B-A3B-Thinking": "Qwen3-Next-80B-A3B-Instruct"}
-LAYER = re.compile(r"(?:model\.(?:language_model\.)?)?layers\.(\d+)\.")  # Qwen3.5 nested, Qwen3-Next flat, DeepSeek-V4
-OUT_LAYER = re.compile(r"(?:language_model\.)?model\.layers\.(\d+)\.")
+# Qwen3.5 nested, Qwen3-Next and DeepSeek-V4 flat, Nemotron-H
+LAYER = re.compile(r"(?:model\.(?:language_model\.)?|backbone\.)?layers\.(\d+)\.")
+OUT_LAYER = re.compile(r"(?:(?:language_model\.)?model\.|backbone\.)layers\.(\d+)\.")
 LM_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
 # A family release's recipe matrix: bits and dtype, and the short dtype its names use.
 MATRIX = ((4, "bfloat16"), (4, "float16"), (6, "bfloat16"), (8, "bfloat16"))
@@ -71,6 +74,8 @@ def test_every_recipe_is_valid():
         assert bits == {4, 6, 8}
     for model in GLM:
         assert {r.bits for r in recipes if r.repo == f"zai-org/{model}"} == {4, 6, 8}
+    for model in NEMOTRON:
+        assert {r.bits for r in recipes if r.repo == f"nvidia/{model}"} == {4, 6, 8}
     for r in recipes:
         r.quant.validated()
         text = r.path.read_text()
@@ -237,7 +242,7 @@ def test_release_numbers_are_the_vendored_layouts(name):
     plan = build_plan(ckpt)
     largest = max(math.prod(it.slot.shape) for it in plan.items)  # output tensors: fused raw experts are split
     shards = re.search(rf"^\| {re.escape(SAME_TABLE.get(name, name))} \|.*\| (\d+): ", SOURCE_MD, re.M)
-    if name in DERIVED_FP8 or name in GLM:
+    if name in DERIVED_FP8 or name in GLM or name in NEMOTRON:
         assert release.raw_shards is None and (name in DERIVED_FP8 or shards is None)
     else:
         assert release.raw_shards == int(shards.group(1))
@@ -248,9 +253,11 @@ def test_release_numbers_are_the_vendored_layouts(name):
     assert release.moe == (routed > 0)
     # one layer's stacked routed experts projection, or lm_head / the embedding where that is larger (35B-A3B,
     # GLM-4.7-Flash)
-    experts = routed * text.get("moe_intermediate_size", 0) * text["hidden_size"]
+    # (Nemotron-H's experts read its moe_latent_size, not the hidden state)
+    experts = routed * text.get("moe_intermediate_size", 0) * (text.get("moe_latent_size") or text["hidden_size"])
     assert release.tensor_b == round(largest / 1e9, 2) == round(max(experts, release.vocab * text["hidden_size"]) / 1e9, 2)
-    assert release.fc_b * 1e9 == params.get("mtp.fc.weight", params.get(f"model.layers.{nextn}.eh_proj.weight", 0))
+    assert release.fc_b * 1e9 == params.get("mtp.fc.weight", params.get(f"model.layers.{nextn}.eh_proj.weight",
+                                                                       params.get("mtp.layers.0.eh_proj.weight", 0)))
     named = re.search(r"-\d+(?:\.\d+)?B", name)  # Qwen3.5-27B: 27
     assert release.params_b == (None if named else round(sum(params.values()) / 1e9, 2))
     files = file_bytes(ckpt)
@@ -508,3 +515,32 @@ def test_deepseek_v4_recipe(monkeypatch):
     assert {it.quant.mode for it in plan.items if it.quant and ".switch_mlp." not in it.name} == {"affine"}
     assert r.largest_tensor_gb == pytest.approx(r.release.tensor_b * 4.25 / 8)
     assert not replace(r, mtp="keep").fits("standard")
+
+
+def test_nemotron_super_recipes(monkeypatch):
+    """Nemotron-3 Super at 4/6/8-bit bf16 and 4-bit fp16, each on the standard runner with a 1 GB raw window (the
+    release's shard sizes are not known). The head is the whole prediction module, mtp.layers.{0,1} (an attention
+    block and a 512-expert latent-MoE block), kept bf16 in mtp.safetensors; under ``match`` its eh_proj and routers
+    stay float. `recipe list` and the publish workflow's matrix list them."""
+    monkeypatch.chdir(ROOT)
+    for r in _matrix_recipes(NEMOTRON):
+        dtype = SHORT_DTYPE[r.dtype]
+        rel = r.release
+        assert r.repo == f"nvidia/{r.release_name}" and r.path.stem == f"{r.release_name}-{r.bits}bit-{dtype}"
+        assert r.upload_repo == f"mtpconvert/{r.release_name}-{r.bits}bit-{dtype}-mtp" and r.mtp == "keep"
+        assert r.runner == "standard" and r.raw_window_gb == 1 and rel.raw_shards is None
+        assert r.cli_args(stream=True)[-3:] == ["--stream", "--raw-window", "1"]
+        assert r.lm_head_gb == pytest.approx(r._gb_at_bits(131072 * 4096 / 1e9)) and rel.vocab != VOCAB
+        assert r.params_b == 120 and rel.params_b is None  # the name's size
+        plan = build_plan(release_checkpoint(r.release_name), replace(r, mtp="match").options)
+        head = {it.name: it for it in plan.items if it.shard == MTP_FILE}
+        assert len(head) == 18 and plan.mtp_layers == 1
+        assert head["mtp.layers.1.mixer.switch_mlp.fc1.weight"].slot.shape == (512, 2688, 1024)
+        assert head["mtp.layers.0.eh_proj.weight"].quant is None and head["mtp.layers.1.mixer.gate.weight"].quant is None
+        assert head["mtp.layers.1.mixer.switch_mlp.fc1.weight"].quant is not None
+        assert replace(r, mtp="match").head_gb == pytest.approx(sum(it.out_bytes for it in head.values()) / 1e9,
+                                                                abs=0.006)
+    jobs = workflow_matrix("recipes/NVIDIA-Nemotron-*.toml")
+    assert len(jobs) == 4 and {(j["size"], j["raw"]) for j in jobs} == {("standard", "1 GB window")}
+    result = runner.invoke(app, ["recipe", "list"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "nvidia/NVIDIA-Nemotron-3-Super" in result.output, result.output

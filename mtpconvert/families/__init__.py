@@ -16,9 +16,10 @@ from .qwen3_5 import FAMILY as QWEN3_5
 from .glm import FAMILIES as GLM_FAMILIES
 from .glm5_next import FAMILY as GLM5_NEXT
 from .qwen3_next import FAMILY as QWEN3_NEXT
+from .nemotron_h import FAMILY as NEMOTRON_H
 from .qwen4_exp import FAMILY as QWEN4_EXP
 
-FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, QWEN4_EXP, *GLM_FAMILIES, GLM5_NEXT, DEEPSEEK_V4)
+FAMILIES: Tuple[Family, ...] = (QWEN3_5, QWEN3_NEXT, QWEN4_EXP, *GLM_FAMILIES, GLM5_NEXT, DEEPSEEK_V4, NEMOTRON_H)
 
 # model types seen in releases with an MTP head that no family here converts yet
 UNSUPPORTED: Dict[str, str] = {

@@ -252,7 +252,8 @@ class Family:
     # read too (a release that says it under another name)
     mtp_count_keys: Tuple[str, ...] = ("mtp_num_hidden_layers",)
     mtplx_arch: Optional[str] = None  # the arch id mtplx gives this family's folders (None: mtplx has none)
-    # the head is one decoder layer whose modules sit right under head_prefix (a nextn layer), not head_prefix.layers.{j}
+    # the head is one MTP layer whatever its keys: a nextn layer whose modules sit right under head_prefix, or one
+    # prediction module of several blocks head_prefix.layers.{j} (Nemotron-H), not one layer per head_prefix.layers.{j}
     single_layer_head: bool = False
     # rules that depend on the config (the nextn layer's index): config -> the family with those hooks bound
     bind: Optional[Callable[["Family", dict], "Family"]] = None
@@ -260,6 +261,9 @@ class Family:
     # only mlx-vlm's splitter reads names them as that splitter selects them (GLM-5.3-Flash: the nextn layer's
     # ``language_model.model.layers.{N}.``, set by ``bind``)
     sidecar_prefix: str = "mtp."
+    # headers -> whether the depthwise conv1d weights are raw [C, 1, K] (moved to MLX's [C, K, 1]); None: the answer of
+    # norms_zero_centred (Qwen: the conv layout is what tells a raw checkpoint, whose norms are shifted, from MLX)
+    convs_raw: Optional[Callable[[Mapping], bool]] = None
 
     @property
     def mtp_count_key(self) -> str:
@@ -296,6 +300,10 @@ class Family:
     def runtime_rows(self, folder, layout: str) -> dict:
         """Each runtime's row for a folder of this family (``compat``)."""
         return resolve(self.compat)(folder, layout)
+
+    def conv_layout_raw(self, tensors: Mapping) -> bool:
+        """Whether a checkpoint's conv1d weights need moving to MLX's layout (decided once, from every header)."""
+        return (self.convs_raw or self.norms_zero_centred)(tensors)
 
     def style_of(self, keys: Iterable[str]) -> str:
         """The one key style of a folder; a folder that mixes styles was partly converted."""

@@ -79,7 +79,9 @@ def mtp_text(f: Folder) -> str:
     specs = Counter(_spec_text(block[m] if isinstance(block.get(m), dict) else block) for m in quantized)
     kinds = "; ".join(spec if len(specs) == 1 else f"{n}× {spec}" for spec, n in specs.items())
     rest = len(modules) - len(quantized)
-    return kinds + (f" ({len(quantized)} of {len(modules)} weights; the other {rest}, e.g. norms and mtp.fc, "
+    family = family_of(f.config)
+    projection = family.head.projection.split()[0] if family is not None else "mtp.fc"  # never quantized
+    return kinds + (f" ({len(quantized)} of {len(modules)} weights; the other {rest}, e.g. norms and {projection}, "
                     f"{f.dtype})" if rest else "")
 
 

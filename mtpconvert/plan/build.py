@@ -7,7 +7,6 @@ executor does nothing the plan does not name.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 from collections import defaultdict
@@ -23,6 +22,7 @@ from ..options import FLOAT_DTYPES, MTP_LAYOUTS, ConvertOptions
 from . import fp8
 from .head import place_head, sidecar_slot
 from .items import Plan, PlanItem, SourceRef
+from .output import order_and_shard, output_config
 from .quant import QuantSpec, decide, quantization_block
 from .steps import Cast, CarryMX, ConvAxis, DequantFP8, DequantMXFP4, Quantize, ShiftNorm, Step, gather_step
 
@@ -74,8 +74,8 @@ def _map_all(ckpt: Checkpoint, family: Family) -> List[Mapped]:
     mapped = []
     scales = fp8.scale_keys(ckpt.tensors, ckpt.absent)
     for key, file in _source_files(ckpt).items():
-        if key in scales:
-            continue  # read with its weight
+        if key in scales or fp8.ignored(key):
+            continue  # read with its weight, or dropped (build_plan)
         if QUANT_AUX.search(key):
             raise LayoutError(
                 "checkpoint is already quantized; convert needs unquantized weights",
@@ -170,6 +170,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
     fp8.check_scales(ckpt.tensors, files)
     style = family.style_of(files)
     raw = family.norms_zero_centred(ckpt.tensors)
+    raw_conv = family.conv_layout_raw(ckpt.tensors)
 
     contribs: Dict[str, List[Mapped]] = defaultdict(list)
     vision: List[Mapped] = []
@@ -179,7 +180,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
         else:
             contribs[m.target].append(m)
 
-    dropped: List[Tuple[str, str]] = []
+    dropped: List[Tuple[str, str]] = [(key, fp8.ignored(key)) for key in files if fp8.ignored(key)]
     notes: List[str] = []
     n_mtp = _head_layers(ckpt, family, spec, contribs, dropped, notes, quant.mtp == "drop")
     slots = family.expected_slots(spec, n_mtp)
@@ -188,7 +189,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
 
     _refuse_absent(ckpt, [c for cs in contribs.values() for c in cs] + (vision if opts.keep_vision else []))
     _match_slots(ckpt, family, spec, style, slots, contribs)
-    items = [_item(ckpt, slot, contribs[name], spec, raw, dtype, quant) for name, slot in slots.items()]
+    items = [_item(ckpt, slot, contribs[name], spec, (raw, raw_conv), dtype, quant) for name, slot in slots.items()]
     items += _vision_items(ckpt, vision, opts.keep_vision, raw, dtype, dropped)
 
     # quantization entries name modules as the loader builds them: the sidecar head's as mtp.X,
@@ -198,7 +199,7 @@ def build_plan(ckpt: Checkpoint, opts: ConvertOptions = ConvertOptions()) -> Pla
                  for it in items if it.slot.group != VISION}
     if n_mtp:
         items = place_head(items, opts.mtp_layout, family, spec.num_experts)
-    _order_and_shard(ckpt, items, opts.max_shard_bytes)
+    order_and_shard(ckpt, items, opts.max_shard_bytes)
     plan = Plan(
         source=ckpt.root,
         family=family,
@@ -296,8 +297,10 @@ def _gather_kv_b(ckpt: Checkpoint, slot: Slot, c: Mapped):
     return (_ref(ckpt, c.source),), c.part
 
 
-def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype: str, quant) -> PlanItem:
-    """One slot's item: its sources (shapes checked against the config), steps and quantization."""
+def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: Tuple[bool, bool], dtype: str,
+          quant) -> PlanItem:
+    """One slot's item: its sources (shapes checked against the config), steps and quantization; ``raw``: (norms
+    zero-centred, conv1d weights raw)."""
     if slot.kind == SWITCH:
         sources, gather = _gather_switch(ckpt, slot, cs, spec)
     elif len(cs) == 1 and cs[0].part in KV_B_PARTS:
@@ -310,7 +313,7 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
         key = cs[0].source
         shape = ckpt.tensors[key].shape
         want = _stored(ckpt, key, slot.shape)
-        if slot.kind == CONV and raw:
+        if slot.kind == CONV and raw[1]:
             want = (slot.shape[0], 1, slot.shape[1])
         if shape != want:
             raise _shape_error(ckpt, key, want, shape)
@@ -329,7 +332,8 @@ def _item(ckpt: Checkpoint, slot: Slot, cs: List[Mapped], spec, raw: bool, dtype
         dtype = mlx_dtype_name(sources[0].dtype)
     q = decide(slot, quant)
     carry = fp8.carried(sources[0], q)
-    steps = (_carry_steps(gather, carry) if carry is not None else _steps(slot, sources, gather, raw, dtype, q))
+    steps = (_carry_steps(gather, carry) if carry is not None
+             else _steps(slot, sources, gather, raw[0], dtype, q, raw[1]))
     return PlanItem(slot, sources, gather, steps, _out_dtype(slot, dtype), carry or q)
 
 
@@ -375,7 +379,7 @@ def _out_dtype(slot: Slot, dtype: str) -> str:
 
 
 def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool, dtype: str,
-           q: Optional[QuantSpec]) -> Tuple[Step, ...]:
+           q: Optional[QuantSpec], raw_conv: Optional[bool] = None) -> Tuple[Step, ...]:
     steps: List[Step] = []
     if fp8.form_of(sources[0]) == fp8.MXFP4:
         steps.append(DequantMXFP4())
@@ -383,7 +387,7 @@ def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool
         steps.append(DequantFP8(fp8.block_of(sources[0])))
     if (recorded := gather_step(gather)) is not None:
         steps.append(recorded)
-    if slot.kind == CONV and raw:
+    if slot.kind == CONV and (raw if raw_conv is None else raw_conv):
         steps.append(ConvAxis())
     if slot.kind == NORM and raw:
         steps.append(ShiftNorm())
@@ -391,58 +395,3 @@ def _steps(slot: Slot, sources: Tuple[SourceRef, ...], gather: Gather, raw: bool
     if q is not None:
         steps.append(Quantize(q))
     return tuple(steps)
-
-
-def natural_key(name: str) -> Tuple:
-    """``name`` with its digit runs as numbers: ``layers.2`` sorts before ``layers.10``."""
-    return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", name)))
-
-
-def _order_and_shard(ckpt: Checkpoint, items: List[PlanItem], max_bytes: int) -> None:
-    """Order work by source shard (so each raw shard is finished early) and assign output shards."""
-    shard_index = {name: i for i, name in enumerate(ckpt.shards)}
-
-    def key(item: PlanItem):
-        # within a source shard, by name with numbers compared as numbers (layers 2 before 10): the
-        # output shards then hold layers in order, so the streamed smoke (runtime.smoke.streamed) can run
-        # each layer as its shard is finished instead of holding shards for a layer to come
-        return (max(shard_index[s.file] for s in item.sources), natural_key(item.name))
-
-    items.sort(key=key)
-    groups: List[List[PlanItem]] = [[]]
-    size = 0
-    for item in items:
-        if item.shard == MTP_FILE:
-            continue
-        b = item.out_bytes
-        if groups[-1] and size + b > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += b
-    n = len(groups)
-    for i, group in enumerate(groups):
-        for item in group:
-            item.shard = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
-def output_config(config: dict, spec, mtp_layers: int, quantization, keep_vision: bool, mtp_count_key: str) -> dict:
-    """config.json for the output: loadable by stock mlx-lm, honest about MTP and quantization."""
-    out = copy.deepcopy(config)
-    # a converted source's head placement is re-decided by this conversion's layout
-    for k in ("quantization", "quantization_config", "mlx_lm_extra_tensors"):
-        out.pop(k, None)
-    tc = out["text_config"] if "text_config" in out else out
-    tc.pop("quantization_config", None)
-    tc.pop("mtp_hidden_state_mode", None)
-    tc[mtp_count_key] = mtp_layers
-    tc["tie_word_embeddings"] = spec.tie_word_embeddings
-    if "text_config" in out:
-        out["tie_word_embeddings"] = spec.tie_word_embeddings
-        if not keep_vision:
-            out.pop("vision_config", None)
-    out["model_type"] = spec.model_type
-    if quantization is not None:
-        out["quantization"] = quantization
-        out["quantization_config"] = copy.deepcopy(quantization)
-    return out

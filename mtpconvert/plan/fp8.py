@@ -21,6 +21,12 @@ bytes, each block's exponent repeated over its 128 rows and its four 32-wide gro
 quantizes such a tensor (``carried``), its bytes are carried over as they are; elsewhere every format is dequantized
 exactly (an E4M3 or E2M1 value times a power of two or a float scale fits float32) and transformed like a float
 tensor. FP8 with float scales is never carried: its scale is no power of two, so no MLX format holds it exactly.
+
+NVIDIA ModelOpt's per-tensor FP8 (W8A8) stores two more scalars that the MLX output has no use for, dropped
+with their reason (``IGNORED``, docs/transforms.md): ``X.input_scale``, the static activation scale of the FP8
+matmul (MLX multiplies float activations by the dequantized weight, as mlx-vlm does after consuming the same
+scale in its ModelOpt transform), and ``k_proj.k_scale`` / ``v_proj.v_scale``, the FP8 KV-cache scales (MLX's KV
+caches hold the activation dtype; mlx-vlm drops both).
 """
 
 from __future__ import annotations
@@ -53,7 +59,12 @@ REFUSED = (
     (".weight_packed", "FP4 (compressed-tensors)"),
     (".weight_global_scale", "NVFP4 (compressed-tensors)"),
     (".input_global_scale", "NVFP4 (compressed-tensors)"),
-    (".input_scale", "per-tensor FP8 / NVFP4 with activation scales (NVIDIA ModelOpt)"),
+)
+# Scalars of a quantized release that the MLX output does not carry: suffix -> why (see the module doc)
+IGNORED = (
+    (".input_scale", "activation scale of an FP8 matmul (MLX computes activations in float)"),
+    (".k_scale", "FP8 KV-cache scale (MLX's KV cache holds the activation dtype)"),
+    (".v_scale", "FP8 KV-cache scale (MLX's KV cache holds the activation dtype)"),
 )
 
 
@@ -134,6 +145,11 @@ def carried(source, quant) -> Optional[object]:
     return None
 
 
+def ignored(key: str) -> Optional[str]:
+    """Why a quantized release's scalar is not carried into the output, or None for any other key."""
+    return next((why for suffix, why in IGNORED if key.endswith(suffix)), None)
+
+
 def refused_format(key: str) -> Optional[str]:
     """The quantization format a key belongs to when it is one mtpconvert does not read, else None."""
     for suffix, name in REFUSED:
@@ -160,8 +176,8 @@ def refuse(files: Mapping) -> None:
         raise LayoutError(
             f"{name} checkpoint: its quantized weights are not converted (no lossless path to MLX's own "
             "formats is implemented)", file=file, key=key,
-            hint="convert the BF16 release, a block-FP8 release (F8_E4M3 + weight_scale_inv or E8M0 .scale) or an "
-                 "MXFP4 one (I8 + E8M0 .scale) of the model",
+            hint="convert the BF16 release, a block-FP8 one (F8_E4M3 + weight_scale_inv or E8M0 .scale), a per-tensor "
+                 "FP8 one (ModelOpt's weight_scale) or an MXFP4 one (I8 + E8M0 .scale) of the model",
         )
 
 
@@ -230,7 +246,17 @@ def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
     error naming the tensor per problem."""
     problems = []
     used = set()
+    # the weights of a refused format (refused_formats names it) carry scales of their own kind: not FP8's
+    refused = {key.rpartition(".")[0] for key in tensors if refused_format(key)}
     for key, info in tensors.items():
+        if key.rpartition(".")[0] in refused:
+            continue
+        if ignored(key):
+            if math.prod(info.shape) != 1 or info.dtype not in SCALE_DTYPES:
+                problems.append(LayoutError(f"{key.rpartition('.')[2]} of shape {list(info.shape)} and dtype "
+                                            f"{info.dtype} (expected one {'/'.join(SCALE_DTYPES)} value)",
+                                            file=file_of[key], key=key))
+            continue
         if not may_be_quantized(key, info):
             continue
         scale = scale_key(key, tensors)
@@ -249,6 +275,8 @@ def scale_problems(tensors: Mapping, file_of: Mapping) -> List[LayoutError]:
         if problem is not None:
             problems.append(problem)
     for key in sorted(scale_keys(tensors) - used):
+        if key.rpartition(".")[0] in refused:
+            continue
         weight = next((w for w in tensors if key in _beside(w)), None)
         if weight is not None and (key.endswith(SCALE_SUFFIX) or tensors[key].dtype in SCALE_DTYPES + (E8M0,)):
             problems.append(LayoutError(f"a {key.rpartition('.')[2]} beside a {tensors[weight].dtype} weight (only "

@@ -44,13 +44,14 @@ def verify(path: Path, deep: bool = False) -> Report:
     try:
         report.layout = family.style_of(ckpt.tensors)
         raw = family.norms_zero_centred(ckpt.tensors)
+        raw_conv = family.conv_layout_raw(ckpt.tensors)
     except ConvertError as e:
         report.add("layout", ERROR, e.detail, e.key, e.file)
         return report
     if head_file:  # the head where vllm-mlx's tools put it, outside the index: checked as the runtimes read it
         report.add("head-file", INFO, f"the MTP head is in {head_file}, which the index does not list", file=path)
     check_sources(ckpt, report)
-    check_tensors(ckpt, family, spec, raw, report)
+    check_tensors(ckpt, family, spec, raw_conv, report)
     check_norms(ckpt, family, raw, report)
     check_config(ckpt, spec, report)
     if report.layout == "head-only":  # OUT/mtp: its config is the model's, naming files of the model folder

@@ -72,7 +72,8 @@ def _stored_weight(ckpt: Checkpoint, module: str, family: Family) -> Optional[st
     return None
 
 
-def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Report) -> None:
+def check_tensors(ckpt: Checkpoint, family: Family, spec, raw_conv: bool, report: Report) -> None:
+    """Every tensor against the family's slots; ``raw_conv``: conv1d weights are in the raw [C,1,K] layout."""
     aux: Dict[str, Dict[str, str]] = defaultdict(dict)  # canonical module -> {scales|biases: key}
     targets: Dict[str, List] = defaultdict(list)
     expert_styles = Counter()
@@ -81,8 +82,8 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
         if m := QUANT_AUX.search(key):
             aux[canonical_module(key[: m.start()], family)][m.group(1)] = key
             continue
-        if key in scales or fp8.refused_format(key):
-            continue  # checked with their weights (_check_sources)
+        if key in scales or fp8.refused_format(key) or fp8.ignored(key):
+            continue  # checked with their weights (_check_sources); activation / KV-cache scales are not converted
         try:
             mapped = family.contributions(key)
         except LayoutError as e:
@@ -129,7 +130,7 @@ def check_tensors(ckpt: Checkpoint, family: Family, spec, raw: bool, report: Rep
             continue
         if contribs[0].part is Gather.GROUPS:  # a grouped projection's [G * R, C] source
             slot = dataclasses.replace(slot, shape=(slot.shape[0] * slot.shape[1], *slot.shape[2:]))
-        check_shape(ckpt, slot, contribs[0].source, raw, aux.get(slot.module), report)
+        check_shape(ckpt, slot, contribs[0].source, raw_conv, aux.get(slot.module), report)
     head_only = any_mtp and all(family.is_head(t) for t in targets)
     if head_only:
         report.layout = "head-only"
@@ -351,11 +352,11 @@ def check_kv_b(ckpt, slot, contrib, report) -> None:
                    f"{list(slot.shape)}", contrib.source, info.file)
 
 
-def check_shape(ckpt, slot, key: str, raw: bool, aux, report) -> None:
+def check_shape(ckpt, slot, key: str, raw_conv: bool, aux, report) -> None:
     """A tensor against its slot's shape (a raw conv1d [C,1,K]; a quantized one by all but its packed axis)."""
     info = ckpt.tensors[key]
     want = fp8.stored_shape(key, ckpt.tensors, slot.shape)  # MXFP4: two codes a byte
-    if slot.kind == CONV and raw:
+    if slot.kind == CONV and raw_conv:
         want = (slot.shape[0], 1, slot.shape[1])
     if aux and "scales" in aux:
         if info.shape[:-1] != want[:-1]:

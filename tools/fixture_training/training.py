@@ -79,8 +79,9 @@ def window_sampler(ids, rng, seq: int, batch: int):
     return draw
 
 
-def heldout_evaluator(lm, head, held_ids, args, router_logits=None, aux_coef=0.0):
-    """A function that returns forward_losses' losses and stats, averaged over the first --eval-batches batches
+def heldout_evaluator(lm, head, held_ids, args, router_logits=None, aux_coef=0.0, losses=forward_losses):
+    """A function that returns ``losses``' losses and stats (forward_losses' by default; a variant whose model
+    forward_losses cannot run gives its own, of the same signature), averaged over the first --eval-batches batches
     of --eval-batch consecutive held-out windows of --seq tokens (the same windows at every call)."""
     import torch
 
@@ -95,7 +96,7 @@ def heldout_evaluator(lm, head, held_ids, args, router_logits=None, aux_coef=0.0
         n = 0
         for i in range(0, len(starts), size):
             s = torch.from_numpy(starts[i: i + size]).to(held_ids.device)
-            _, main, mtp, _, st = forward_losses(lm, head, held_ids[s[:, None] + offsets], router_logits, aux_coef)
+            _, main, mtp, _, st = losses(lm, head, held_ids[s[:, None] + offsets], router_logits, aux_coef)
             for k, v in (("main", main), ("mtp", mtp), *st.items()):
                 tot[k] += float(v)
             n += 1

@@ -3,7 +3,8 @@
 mlx's CPU ``gather_mm`` is float32-only, so bf16/fp16 experts cannot run there as stored. Casting
 a whole expert stack to float32 doubles it: the 397B head's 512 experts are ~13 GB in bf16 and
 ~26 GB in float32. ``BoundedSwitchGLU`` keeps the stack as stored and runs mlx-lm's
-``SwitchGLU`` forward a group of experts at a time: the (token, slot) pairs are sorted by expert
+``SwitchGLU`` forward (``BoundedSwitchMLP``: its non-gated ``SwitchMLP``, ``fc1``, activation, ``fc2``, the relu²
+experts of Nemotron-H) a group of experts at a time: the (token, slot) pairs are sorted by expert
 (as mlx-lm's own sorted path does), the experts the router picked are split into groups of
 ``experts_per_group`` (from a float32 byte budget), and each group's experts are gathered,
 cast to float32, multiplied with only the pairs routed to them and evaluated before the next
@@ -26,21 +27,22 @@ import numpy as np
 # (half as much again for bf16) is alive beside it while a group is cast: ~0.75 GiB transient.
 FLOAT32_EXPERT_BUDGET_BYTES = 512 << 20
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # SwitchGLU's
+MLP_PROJECTIONS = ("fc1", "fc2")  # SwitchMLP's
 
 
-def expert_float32_bytes(glu: nn.Module) -> int:
-    """float32 bytes of one expert of ``glu``: its three projections (and biases)."""
+def expert_float32_bytes(glu: nn.Module, names=PROJECTIONS) -> int:
+    """float32 bytes of one expert of ``glu``: its projections ``names`` (and biases)."""
     per_expert = 0
-    for name in PROJECTIONS:
+    for name in names:
         proj = getattr(glu, name)
         per_expert += proj["weight"][0].size + (proj["bias"][0].size if "bias" in proj else 0)
     return per_expert * 4
 
 
-def experts_per_group(glu: nn.Module, budget_bytes: int) -> int:
+def experts_per_group(glu: nn.Module, budget_bytes: int, names=PROJECTIONS) -> int:
     """How many experts fit the float32 budget at once (at least one)."""
-    return max(1, budget_bytes // expert_float32_bytes(glu))
+    return max(1, budget_bytes // expert_float32_bytes(glu, names))
 
 
 def expert_groups(flat_indices: np.ndarray, group: int) -> Tuple[np.ndarray, List[Tuple[np.ndarray, int, int]]]:
@@ -88,18 +90,48 @@ class BoundedSwitchGLU(nn.Module):
         return y
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        k = indices.shape[-1]
-        rows = x.reshape(-1, 1, x.shape[-1])  # one row per token, as mlx-lm's _gather_sort flattens it
-        flat = np.array(mx.stop_gradient(indices).reshape(-1))
-        order, groups = expert_groups(flat, self.group)
-        parts = []
-        for experts, lo, hi in groups:
-            pairs = order[lo:hi]
-            local = np.searchsorted(experts, flat[pairs])  # expert id -> row of the gathered group
-            parts.append(self._group_forward(rows[mx.array(pairs // k)], experts, local))
-        y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-        y = y[mx.array(np.argsort(order))]  # back to (token, slot) order
-        return y.reshape(*indices.shape, x.shape[-1])
+        return _by_groups(x, indices, self.group, self._group_forward)
+
+
+class BoundedSwitchMLP(nn.Module):
+    """mlx-lm's ``SwitchMLP`` forward (``fc2(activation(fc1(x)))``) the same way."""
+
+    def __init__(self, mlp: nn.Module, budget_bytes: Optional[int] = None):
+        super().__init__()
+        self.fc1, self.fc2, self.activation = mlp.fc1, mlp.fc2, mlp.activation
+        self.group = experts_per_group(mlp, FLOAT32_EXPERT_BUDGET_BYTES if budget_bytes is None else budget_bytes,
+                                       MLP_PROJECTIONS)
+
+    def _group_forward(self, x: mx.array, experts: np.ndarray, local: np.ndarray) -> mx.array:
+        ids, idx = mx.array(experts), mx.array(local)
+        y = _project(self.fc2, ids, self.activation(_project(self.fc1, ids, x, idx)), idx)
+        mx.eval(y)
+        return y
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        return _by_groups(x, indices, self.group, self._group_forward)
+
+
+def _by_groups(x: mx.array, indices: mx.array, group: int, group_forward) -> mx.array:
+    """The experts' outputs of every (token, slot) pair, ``group_forward`` run on at most ``group`` experts at once."""
+    k = indices.shape[-1]
+    rows = x.reshape(-1, 1, x.shape[-1])  # one row per token, as mlx-lm's _gather_sort flattens it
+    flat = np.array(mx.stop_gradient(indices).reshape(-1))
+    order, groups = expert_groups(flat, group)
+    parts = []
+    for experts, lo, hi in groups:
+        pairs = order[lo:hi]
+        local = np.searchsorted(experts, flat[pairs])  # expert id -> row of the gathered group
+        parts.append(group_forward(rows[mx.array(pairs // k)], experts, local))
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    y = y[mx.array(np.argsort(order))]  # back to (token, slot) order
+    return y.reshape(*indices.shape, y.shape[-1])
+
+
+def _float_stack(m: nn.Module, names) -> bool:
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    return all(type(getattr(m, n)) is SwitchLinear and getattr(m, n)["weight"].dtype != mx.float32 for n in names)
 
 
 def is_float_switch_glu(m: nn.Module) -> bool:
@@ -115,9 +147,16 @@ def is_float_switch_glu(m: nn.Module) -> bool:
     return glu and all(float_switch(getattr(m, n, None)) for n in PROJECTIONS)
 
 
+def is_float_switch_mlp(m: nn.Module) -> bool:
+    """A ``SwitchMLP`` whose two projections are unquantized and not float32."""
+    from mlx_lm.models.switch_layers import SwitchMLP
+
+    return isinstance(m, SwitchMLP) and _float_stack(m, MLP_PROJECTIONS)
+
+
 def bound_float_experts(module: nn.Module, budget_bytes: Optional[int] = None) -> int:
-    """On the CPU, swap every float non-float32 ``SwitchGLU`` under ``module`` for a
-    ``BoundedSwitchGLU`` (quantized experts use ``gather_qmm`` and stay; None: the budget is
+    """On the CPU, swap every float non-float32 ``SwitchGLU`` (``SwitchMLP``) under ``module`` for a
+    ``BoundedSwitchGLU`` (``BoundedSwitchMLP``; quantized experts use ``gather_qmm`` and stay; None: the budget is
     ``FLOAT32_EXPERT_BUDGET_BYTES``). Returns the count; does nothing off the CPU."""
     if mx.default_device() != mx.cpu:
         return 0
@@ -125,14 +164,12 @@ def bound_float_experts(module: nn.Module, budget_bytes: Optional[int] = None) -
 
     def swap(m):
         nonlocal n
-        if is_float_switch_glu(m):
-            n += 1
-            return BoundedSwitchGLU(m, budget_bytes)
-        return m
+        n += 1
+        return BoundedSwitchGLU(m, budget_bytes) if is_float_switch_glu(m) else BoundedSwitchMLP(m, budget_bytes)
 
     for _, parent in list(module.named_modules()):  # listed first: swapping edits the tree
         children = {name: swap(child) for name, child in parent.children().items()
-                    if isinstance(child, nn.Module) and is_float_switch_glu(child)}
+                    if isinstance(child, nn.Module) and (is_float_switch_glu(child) or is_float_switch_mlp(child))}
         if children:
             parent.update_modules(children)
     # mlx-vlm's stacks, whose SwitchGLU has a forward of its own, cast whole (mlx-lm's are bounded above)

@@ -201,9 +201,10 @@ class _Embedding:
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= folder._info(stem + ".weight").shape[0]):
             raise ValueError(f"token ids outside the embedding (0..{folder._info(stem + '.weight').shape[0] - 1})")
         vocab, hidden = folder._info(stem + ".weight").shape[0], folder.shell.hidden_size
-        holder = _Holder("embed_tokens", nn.Embedding(vocab, hidden))
+        name = stem.rsplit(".", 1)[-1]  # the module's own name (embed_tokens; Nemotron-H's embeddings): per-path
+        holder = _Holder(name, nn.Embedding(vocab, hidden))  # quantization entries and scales are keyed by it
         _quantize(holder, prefixes, folder.quant, folder.weights)
-        self.module = holder.embed_tokens
+        self.module = getattr(holder, name)
         self.module.update({k.rsplit(".", 1)[1]: folder.gather_rows(k, uniq) for k in folder._module_keys(stem)})
         mx.eval(self.module.parameters())
         self.index = {int(t): i for i, t in enumerate(uniq)}
@@ -298,10 +299,13 @@ def _load_module(folder: _Folder, path: str, module: nn.Module) -> nn.Module:
 
 
 def _load_head(folder: _Folder, head_tensors: HeadTensors) -> nn.Module:
-    """The head's fc, norms and first layer (the one every first draft uses), as runtime.decoding.load builds it."""
+    """The head's fc, norms and first layer (the one every first draft uses), as runtime.decoding.load builds it;
+    a head that is one layer whatever its keys (``Family.single_layer_head``: a nextn layer, or a prediction module
+    whose blocks are ``layers.{j}``) whole."""
     files = sorted({t.file for t in head_tensors.tensors.values()})
+    whole = folder.family.single_layer_head
     # a nextn head's own embedding and output projection are streamed in row blocks like the backbone's
-    wanted = {k for k in head_tensors.tensors if (not k.startswith("layers.") or k.startswith("layers.0."))
+    wanted = {k for k in head_tensors.tensors if (whole or not k.startswith("layers.") or k.startswith("layers.0."))
               and not k.startswith(HEAD_VOCAB)}
     weights = {}
     for f in files:
