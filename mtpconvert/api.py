@@ -23,25 +23,11 @@ from .gate import GateRecord, Gate, run_gate
 from .errors import ConvertError, Kept, OptionsError
 from .io.checkpoint import Checkpoint, open_checkpoint
 from .options import ConvertOptions
-from .plan import Plan, PlanItem, build_plan
+from .plan import Plan, build_plan
+from .progress import Events
 from .provenance import conversion_record
 
 PathLike = Union[str, Path]
-
-
-def _noop(*_args) -> None:
-    return None
-
-
-@dataclass
-class Events:
-    """Progress callbacks; each defaults to doing nothing."""
-
-    plan: Callable[[Plan], None] = _noop  # the plan about to run
-    item: Callable[[PlanItem], None] = _noop  # an item's bytes are on disk
-    stage: Callable[[str], None] = _noop  # a named stage starts (resolving, verifying, smoke, ...)
-    download: Callable[[int, Optional[int]], None] = _noop  # (bytes just fetched, total bytes or None)
-    note: Callable[[str], None] = _noop  # something the user should know (a check skipped, peak disk, ...)
 
 
 class Interrupted(ConvertError):
@@ -107,8 +93,9 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, *, checks: Gate, overwrit
     def check(folder: Path) -> None:
         if publisher is not None:
             publisher.drain()  # the last shard's upload: an upload error is reported before any check runs
+        # contract: mtplx_runtime.json, before after_checks commits the folder to the Hub
         run_gate(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage, streamed=streamed,
-                   contract=True)  # mtplx_runtime.json, before after_checks commits the folder to the Hub
+                 contract=True, progress=events.progress)
         if after_checks is not None:
             after_checks(folder, record)
 
@@ -226,9 +213,7 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
     commit publishes the folder once the checks passed (``hub.publish``). ``keep``: raw shards held at once."""
     from .hub import pull
     from .hub.publish import committer, shard_publisher
-    from .hub.sparse import RangeReader
-    from .hub.ranges import RangeStream
-    from .hub.stream import ShardStream, first_use_order
+    from .hub.stream import raw_feed
 
     stage = local_dir or out.absolute().parent / f".{out.name}.stream"
     publisher = None
@@ -239,12 +224,8 @@ def _convert_streamed(pulled, out: Path, options: ConvertOptions, *, token, loca
         plan_ = build_plan(ckpt, options)
         if publish:
             publisher = shard_publisher(publish, _partial(out.absolute()), token, plan_, checks)
-        if window is not None:
-            feed = RangeStream(RangeReader(pulled.repo_id, pulled.sha, token=token).read, window)
-        else:
-            feed = ShardStream(first_use_order(plan_, ckpt),
-                               lambda name, dest: pull.fetch_file(pulled, name, dest, token=token, timeout=timeout),
-                               keep=keep)
+        feed = raw_feed(pulled, plan_, ckpt, token=token, timeout=timeout, keep=keep, window=window,
+                        on_download=events.download)
         if publisher is not None:
             publisher.open()
         try:
@@ -293,15 +274,19 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
     record = GateRecord()
 
     def check(folder: Path) -> None:
-        run_gate(folder, checks, record, has_mtp=True, on_stage=events.stage, contract=True)
+        run_gate(folder, checks, record, has_mtp=True, on_stage=events.stage, contract=True, progress=events.progress)
 
     try:
         if Path(source).is_dir():
-            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
+            events.stage(f"adding the MTP head of {source} to {mlx_dir}")
+            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check,
+                          progress=events.progress)
             info = {"sha": "local", "fetched_bytes": 0, "source_bytes": 0, "added": len(added)}
         else:
+            events.stage(f"reading {source}'s shard headers and its MTP head's byte ranges")
             info = add_mtp_from_hub(source, Path(mlx_dir), revision=revision, token=token, mtp=mtp,
-                                    mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
+                                    mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check, progress=events.progress,
+                                    on_bytes=lambda n: events.download(n, None))
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
     where = {"source_folder": Path(source).resolve().name} if info["sha"] == "local" else {
@@ -329,19 +314,22 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
         report = verify(folder)
         run_gate(folder, Gate(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
                                   min_acceptance=checks.min_acceptance, min_mlp_gain=checks.min_mlp_gain),
-                   record, has_mtp=(report.mtp_layers_config or report.mtp_layers_found) > 0, on_stage=events.stage)
+                   record, has_mtp=(report.mtp_layers_config or report.mtp_layers_found) > 0, on_stage=events.stage,
+                   progress=events.progress)
     card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
                       base_model=base_model)
-    events.stage(f"uploading to {repo_id}")
-    return push(folder, repo_id, token=token, private=private, card=card)
+    return push(folder, repo_id, token=token, private=private, card=card, on_stage=events.stage)
 
 
-def verify(path: PathLike, deep: bool = False):
+def verify(path: PathLike, deep: bool = False, events: Optional[Events] = None):
     """Check any folder (raw HF, ours, another MLX conversion) from its headers; see ``verify.Report``
-    (``.runtimes``: the MTP runtime compatibility table)."""
+    (``.runtimes``: the MTP runtime compatibility table). ``deep``: the tensors read go to ``events.progress``."""
     from .verify import verify as run
 
-    return run(Path(path), deep=deep)
+    events = events or Events()
+    if deep:
+        events.stage(f"verifying {path} (reading every float tensor)")
+    return run(Path(path), deep=deep, progress=events.progress)
 
 
 def families() -> List[dict]:
@@ -368,18 +356,23 @@ def _readable_shards(folder: Path) -> None:
 
 
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
-          hidden: str = "post-norm", min_acceptance: Optional[float] = None):
+          hidden: str = "post-norm", min_acceptance: Optional[float] = None, events: Optional[Events] = None):
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
-    from .runtime.smoke.decode import smoke as run
+    events = events or Events()
+    events.stage(f"MTP smoke test on {path}: {max_tokens} tokens a prompt, plain greedy and MTP at depths 1 and 3")
+    from .runtime.smoke.decode import smoke as run  # mlx-lm and transformers: seconds to import
 
     _readable_shards(Path(path))
-    return run(Path(path), prompts, max_tokens, hidden, Gate(min_acceptance=min_acceptance).floor_for("full"))
+    return run(Path(path), prompts, max_tokens, hidden, Gate(min_acceptance=min_acceptance).floor_for("full"),
+               progress=events.progress)
 
 
 def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 128,
           depths: Sequence[int] = (1,), hiddens: Sequence[str] = ("post-norm", "pre-norm"), sampling=None,
           seed: int = 0, on_tokens: Optional[Callable[[int], None]] = None,
-          concurrency: Optional[Sequence[int]] = None, oracle: Sequence[float] = (), cuda_qmv: bool = False):
+          concurrency: Optional[Sequence[int]] = None, oracle: Sequence[float] = (), cuda_qmv: bool = False,
+          events: Optional[Events] = None, warmup_tokens: Optional[int] = None, cross_check: bool = True,
+          step_costs: bool = True):
     """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs.
 
     With ``concurrency`` (e.g. [1, 2, 4, 8]): batched MTP against mlx-lm's BatchGenerator at each
@@ -389,14 +382,19 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
     (``runtime.measure.oracle``; with ``concurrency`` each draft is kept with probability P instead:
     ``oracle_batch.OracleConcurrencyResult``).
     ``cuda_qmv``: on a CUDA device, the multi-row quantized matvec where it measures faster
-    (``runtime.decoding.cuda_qmv``)."""
-    from .runtime.decoding.sampling import Sampling
-    from .runtime.measure.bench import bench as run
-
+    (``runtime.decoding.cuda_qmv``). ``events.progress``: the tokens (one stream) or runs (``concurrency``)
+    decoded so far. ``warmup_tokens``, ``cross_check``, ``step_costs``: see ``runtime.measure.bench.bench``."""
     if any(d < 1 for d in depths):
         raise OptionsError("--depth must be >= 1")
     if concurrency is not None and (not concurrency or any(c < 1 for c in concurrency)):
         raise OptionsError("--concurrency must list stream counts >= 1, e.g. 1,2,4,8")
+    events = events or Events()
+    events.stage(f"bench on {path}: " + (f"batched MTP vs mlx-lm's BatchGenerator at {concurrency} streams" if
+                 concurrency else f"MTP vs mlx-lm's generate_step, {'/'.join(hiddens)} state, depth {list(depths)}")
+                 + f", {max_tokens} tokens a prompt")
+    from .runtime.decoding.sampling import Sampling  # mlx-lm and transformers: seconds to import
+    from .runtime.measure.bench import bench as run
+
     try:
         sampling = sampling or Sampling()
     except ValueError as e:
@@ -424,11 +422,12 @@ def bench(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: i
         encoded = encode_prompts(Path(path), prompts)
         if oracle:
             return bench_concurrency_oracle(m, str(path), encoded, concurrency, oracle, max_tokens, depths, seed,
-                                            hiddens[0], on_tokens=on_tokens)
+                                            hiddens[0], on_tokens=on_tokens, progress=events.progress)
         return bench_concurrency(m, str(path), encoded, concurrency, max_tokens, depths, sampling, seed, hiddens[0],
-                                 on_tokens=on_tokens)
+                                 on_tokens=on_tokens, progress=events.progress)
     return run(Path(path), prompts, max_tokens, depths, hiddens, sampling, seed, on_tokens=on_tokens, oracle=oracle,
-               cuda_qmv=cuda_qmv)
+               cuda_qmv=cuda_qmv, progress=events.progress, warmup_tokens=warmup_tokens, cross_check=cross_check,
+               step_costs=step_costs)
 
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, upload: bool = True, token: Optional[str] = None,
