@@ -8,13 +8,13 @@ from typing import Annotated, List
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import api
 from ..errors import OptionsError
 from . import options as o
 from .errors import handled
 from .helpfmt import Command
+from .progress import rich_events
 from .render import (bench_table, concurrency_table, divergence_text, oracle_concurrency_table, report_table,
                      runtimes_table)
 
@@ -84,7 +84,8 @@ def verify(
 ):
     """Check a folder from its headers: layout, MTP, experts, norm shift, quantization, index, and which MTP
     runtimes can load it and use its head."""
-    report = api.verify(path, deep=deep)
+    with rich_events(console, quiet=as_json) as events:
+        report = api.verify(path, deep=deep, events=events)
     if as_json:
         out_console.print_json(json.dumps(report.to_json()))
     else:
@@ -110,7 +111,8 @@ def smoke(
     as_json: o.Json = False,
 ):
     """Greedy MTP decoding next to plain greedy on a few prompts; non-zero exit when the head is absent or broken."""
-    result = api.smoke(path, _prompts(prompt), max_tokens, hidden.value, min_acceptance)
+    with rich_events(console, quiet=as_json) as events:
+        result = api.smoke(path, _prompts(prompt), max_tokens, hidden.value, min_acceptance, events=events)
     if as_json:
         out_console.print_json(json.dumps(result.to_json()))
     else:
@@ -149,20 +151,9 @@ def bench(
     hiddens = ("post-norm", "pre-norm") if hidden is o.BenchHidden.both else (hidden.value,)
     prompts = _prompts(prompt)
     levels = _concurrency(concurrency)
-    total = 2 * (len(prompts) if prompts else 3) * len(hiddens) * len(depth) * max_tokens
-    oracle = list(oracle or [])
-    if oracle:
-        total *= len(oracle)
-    if levels is not None:  # four timed decoders per level and depth
-        total = 4 * sum(levels) * len(depth) * max_tokens
-        if oracle:  # BatchGenerator and the plain engine once, MTP once per P
-            total = (2 + len(oracle)) * sum(levels) * len(depth) * max_tokens
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
-                  TimeElapsedColumn(), console=console, transient=True, disable=as_json) as bar:
-        task = bar.add_task("decoding", total=total)
-        result = api.bench(path, prompts, max_tokens, depth, hiddens, sampling, seed,
-                           on_tokens=lambda n: bar.advance(task, n), concurrency=levels, oracle=oracle,
-                           cuda_qmv=cuda_qmv)
+    with rich_events(console, quiet=as_json) as events:
+        result = api.bench(path, prompts, max_tokens, depth, hiddens, sampling, seed, concurrency=levels,
+                           oracle=list(oracle or []), cuda_qmv=cuda_qmv, events=events)
     if as_json:
         out_console.print_json(json.dumps(result.to_json(), default=str))
     elif levels is not None and oracle:

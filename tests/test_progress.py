@@ -1,0 +1,108 @@
+"""Progress: long stages report Steps; the CLI draws them on stderr (bars on a terminal, lines in a log),
+stdout keeps the results (clean JSON under --json)."""
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from mtpconvert.cli import app
+from mtpconvert.cli.progress import Bars, Lines, view_for
+from mtpconvert.demo import fixture_prompts
+from mtpconvert.fixture import fixture_path
+from mtpconvert.progress import Step
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("progress") / "fx"
+    result = runner.invoke(app, ["convert", str(fixture_path("dense")), str(out), "--no-smoke"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def prompt_args(n: int = 2):
+    return [arg for p in fixture_prompts(n) for arg in ("-p", p)]
+
+
+@pytest.mark.parametrize("command, stage", [
+    (["smoke", "--max-tokens", "6", *prompt_args()], "smoke: 0/36 tokens (prompt 1/2: plain greedy)"),
+    (["bench", "--max-tokens", "6", "--mtp-hidden", "post-norm", *prompt_args()],
+     "bench: 0/72 tokens (warm-up, prompt 1/2)"),
+    (["bench", "--max-tokens", "4", "--concurrency", "1,2", *prompt_args()], "bench: 0/16 runs (depth 1, 1 stream: "),
+    (["verify", "--deep"], "verify --deep: 0/"),
+])
+def test_progress_goes_to_stderr_and_json_stays_clean(converted, command, stage):
+    name, *options = command
+    result = runner.invoke(app, [name, str(converted), *options, "--json"])
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)  # nothing else on stdout
+    lines = result.stderr.splitlines()
+    assert any(stage in line for line in lines), result.stderr
+    assert all(line.startswith("[") for line in lines if "tokens" in line or "tensors" in line or "runs" in line)
+
+
+def test_a_piped_table_keeps_stdout_for_the_result(converted):
+    result = runner.invoke(app, ["smoke", str(converted), "--max-tokens", "6", *prompt_args(1)])
+    assert result.exit_code == 0, result.output
+    assert "MTP draft acceptance" in result.stdout and "tokens (prompt" not in result.stdout
+    assert "smoke: 0/18 tokens (prompt 1/1: plain greedy)" in result.stderr
+
+
+def test_a_log_gets_a_line_per_stage_and_one_every_heartbeat():
+    now = [0.0]
+    out = io.StringIO()
+    log = Lines(Console(file=out, width=200), interval=5.0, clock=lambda: now[0])
+    log.stage("MTP smoke test")
+    for t, done in ((0.1, 0), (2.0, 40), (4.9, 80), (5.2, 90), (9.0, 120), (10.3, 150)):
+        now[0] = t
+        log.step(Step("smoke", done, 432, "tokens", f"prompt {done // 144 + 1}/3"))
+    now[0] = 11.0
+    log.stage("bench")
+    log.step(Step("bench", 0, None, "runs"))
+    assert out.getvalue().splitlines() == [
+        "[   0.0s] MTP smoke test...",
+        "[   0.1s] smoke: 0/432 tokens (prompt 1/3)",  # a stage's first count
+        "[   5.2s] smoke: 90/432 tokens (prompt 1/3)",  # then one at most every 5 s
+        "[  10.3s] smoke: 150/432 tokens (prompt 2/3)",
+        "[  11.0s] bench...",
+        "[  11.0s] bench: 0 runs",
+    ]
+
+
+def test_bars_only_where_both_streams_are_terminals(monkeypatch):
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    assert isinstance(view_for(terminal), Bars)
+    assert isinstance(view_for(terminal, quiet=True), Lines)  # --json
+    assert isinstance(view_for(Console(file=io.StringIO())), Lines)  # stderr to a file
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False)
+    assert isinstance(view_for(terminal), Lines)  # stdout to a file or a pipe
+
+
+def test_bars_restart_a_stage_that_runs_again():
+    bars = Bars(Console(file=io.StringIO(), force_terminal=True))
+    bars.step(Step("smoke", 300, 432, "tokens"))
+    first = bars.tasks["smoke"]
+    bars.step(Step("smoke", 0, 432, "tokens"))  # the next conversion's smoke
+    assert bars.tasks["smoke"] != first and [t.completed for t in bars.bar.tasks] == [0]
+
+
+def test_layerwise_messages_count_layers():
+    from mtpconvert.gate import layer_steps
+
+    steps, stages = [], []
+    report = layer_steps(steps.append, stages.append)
+    for msg in ("embedding rows", "layer 1/4", "layer 2/4", "layer 4/4", "MTP head", "lm_head rows 0-1024 of 2048"):
+        report(msg)
+    assert [(s.done, s.total) for s in steps] == [(0, None), (0, 4), (1, 4), (3, 4), (4, 4), (4, 4)]
+    assert steps[-1].detail == "lm_head rows 0-1024 of 2048" and not stages
+    report = layer_steps(None, stages.append)  # no progress callback: the stage lines of before
+    report("layer 1/4")
+    report("lm_head rows 0-1024 of 2048")
+    assert stages == ["layerwise smoke: layer 1/4"]
+
