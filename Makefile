@@ -6,6 +6,7 @@ UNAME := $(shell uname -s)
 CPU := $(if $(filter Linux,$(UNAME)),cpu,)
 comma := ,
 DEMO_OUT ?= demo-out
+DEMO_ARGS ?=
 
 .PHONY: install demo test interop clean
 
@@ -13,9 +14,10 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# the demo needs no torch: only the package (and MLX's CPU backend on Linux)
+# the demo needs no torch: only the package (and MLX's CPU backend on Linux). No bytecode compiled at install:
+# the demo imports a small part of what it installs (transformers above all), compiled as it is first imported
 $(VENV)/.installed-demo: pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e '.$(if $(CPU),[$(CPU)])'
+	$(PY) -m pip install -q --no-compile -e '.$(if $(CPU),[$(CPU)])'
 	touch $@
 
 # the tests add pytest and CPU torch (parity against transformers' own Qwen3.5)
@@ -25,8 +27,9 @@ $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 
 install: $(VENV)/.installed-test
 
+# one conversion, checked and benched; DEMO_ARGS=--all: the four conversions of the README's table
 demo: $(VENV)/.installed-demo
-	$(PY) -m mtpconvert.demo --out $(DEMO_OUT)
+	$(PY) -m mtpconvert.demo --out $(DEMO_OUT) $(DEMO_ARGS)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest tests --durations=15

@@ -1,5 +1,5 @@
 """Progress: long stages report Steps; the CLI draws them on stderr (bars on a terminal, lines in a log),
-stdout keeps the results (clean JSON under --json)."""
+stdout keeps the results (clean JSON under --json); the demo runs one conversion and says what next."""
 
 import io
 import json
@@ -106,3 +106,19 @@ def test_layerwise_messages_count_layers():
     report("lm_head rows 0-1024 of 2048")
     assert stages == ["layerwise smoke: layer 1/4"]
 
+
+def test_the_demo_runs_one_conversion_and_says_what_next(tmp_path, capsys):
+    from mtpconvert import demo
+
+    assert [c[0] for c in demo.chosen(every=True)] == [c[0] for c in demo.CONVERSIONS]
+    assert [c[0] for c in demo.chosen(name="q4-mtp-8bit")] == ["q4-mtp-8bit"]
+    assert demo.main(["--out", str(tmp_path / "demo"), "--fixture", "markov", "--max-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    folder = demo.default_conversion()
+    assert (tmp_path / "demo" / folder / "mtp.safetensors").is_file()
+    label = dict((f, label) for f, label, _ in demo.CONVERSIONS)[folder]
+    assert any(line.startswith(f"│ {label}") and "pass" in line for line in out.splitlines()), out
+    assert "4 synthetic-language prompts x 8 tokens" in out
+    assert f"verify {tmp_path / 'demo' / folder}" in out and "DEMO_ARGS=--all" in out
+    for stage in ("converting: ", "smoke: 0/", "bench: 0/"):
+        assert stage in err, err
