@@ -10,9 +10,12 @@ DEMO_ARGS ?=
 
 .PHONY: install demo test interop clean
 
+# the venv's pip comes from the system's pip where it has one (>= 22.3: --python); ensurepip's bundled pip,
+# compiled only to be replaced by the upgrade, is the fallback
 $(VENV)/bin/python:
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip --python $(PY) install -q --no-compile --upgrade pip 2>/dev/null || \
+	  ($(PYTHON) -m venv $(VENV) && $(PY) -m pip install -q --upgrade pip)
 
 # the demo needs no torch: only the package (and MLX's CPU backend on Linux). No bytecode compiled at install:
 # the demo imports a small part of what it installs (transformers above all), compiled as it is first imported
