@@ -84,10 +84,13 @@ def test_bars_only_where_both_streams_are_terminals(monkeypatch):
     assert isinstance(view_for(terminal), Lines)  # stdout to a file or a pipe
 
 
-def test_bars_restart_a_stage_that_runs_again():
+def test_bars_pulse_until_a_stage_counts_and_restart_a_stage_that_runs_again():
     bars = Bars(Console(file=io.StringIO(), force_terminal=True))
+    bars.stage("MTP smoke test: choosing full or layerwise for this model and backend")
+    assert [(t.description, t.total) for t in bars.bar.tasks] == [("MTP smoke test", None)]
     bars.step(Step("smoke", 300, 432, "tokens"))
     first = bars.tasks["smoke"]
+    assert [(t.description, t.completed) for t in bars.bar.tasks] == [("smoke", 300)]
     bars.step(Step("smoke", 0, 432, "tokens"))  # the next conversion's smoke
     assert bars.tasks["smoke"] != first and [t.completed for t in bars.bar.tasks] == [0]
 

@@ -40,6 +40,8 @@ def count_text(done: float, total: Optional[float], unit: str) -> str:
 
 class _Count(ProgressColumn):
     def render(self, task) -> Text:
+        if task.fields.get("pulse"):
+            return Text("")
         unit = task.fields.get("unit", "")
         text = count_text(task.completed, task.total, unit)
         if unit == BYTES and task.speed:
@@ -48,7 +50,8 @@ class _Count(ProgressColumn):
 
 
 class Bars:
-    """One rich bar per stage (transient: gone once the work is done)."""
+    """One rich bar per stage (transient: gone once the work is done). A stage that has not counted anything
+    yet (loading libraries, choosing the smoke) pulses, so the screen never stands still."""
 
     def __init__(self, console: Console):
         self.console = console
@@ -56,11 +59,20 @@ class Bars:
                             TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=console,
                             transient=True)
         self.tasks: Dict[str, TaskID] = {}
+        self.pulse: Optional[TaskID] = None
 
     def stage(self, name: str) -> None:
         self.console.print(f"[dim]{escape(name)}…[/dim]", highlight=False)
+        self._end_pulse()
+        self.pulse = self.bar.add_task(escape(name.split(" (")[0].split(":")[0]), total=None, detail="", pulse=True)
+
+    def _end_pulse(self) -> None:
+        if self.pulse is not None:
+            self.bar.remove_task(self.pulse)
+            self.pulse = None
 
     def step(self, s: Step) -> None:
+        self._end_pulse()
         task = self.tasks.get(s.stage)
         if task is not None and s.done < self.bar.tasks[self._index(task)].completed:  # the stage runs again
             self.bar.remove_task(task)
