@@ -9,6 +9,7 @@ prints one line when it starts and, while it runs, a line with its count at most
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, Optional
@@ -60,11 +61,14 @@ class Bars:
                             transient=True)
         self.tasks: Dict[str, TaskID] = {}
         self.pulse: Optional[TaskID] = None
+        self.lock = threading.Lock()  # downloads report from their own threads
 
     def stage(self, name: str) -> None:
         self.console.print(f"[dim]{escape(name)}…[/dim]", highlight=False)
-        self._end_pulse()
-        self.pulse = self.bar.add_task(escape(name.split(" (")[0].split(":")[0]), total=None, detail="", pulse=True)
+        with self.lock:
+            self._end_pulse()
+            self.pulse = self.bar.add_task(escape(name.split(" (")[0].split(":")[0]), total=None, detail="",
+                                           pulse=True)
 
     def _end_pulse(self) -> None:
         if self.pulse is not None:
@@ -72,20 +76,22 @@ class Bars:
             self.pulse = None
 
     def step(self, s: Step) -> None:
-        self._end_pulse()
-        task = self.tasks.get(s.stage)
-        if task is not None and s.done < self.bar.tasks[self._index(task)].completed:  # the stage runs again
-            self.bar.remove_task(task)
-            task = None
-        if task is None:
-            self._hide_finished()
-            task = self.tasks[s.stage] = self.bar.add_task(s.stage, total=s.total, unit=s.unit, detail="")
-        self.bar.update(task, completed=s.done, total=s.total, detail=escape(s.detail))
+        with self.lock:
+            self._end_pulse()
+            task = self.tasks.get(s.stage)
+            if task is not None and s.done < self.bar.tasks[self._index(task)].completed:  # the stage runs again
+                self.bar.remove_task(task)
+                task = None
+            if task is None:
+                self._hide_finished()
+                task = self.tasks[s.stage] = self.bar.add_task(s.stage, total=s.total, unit=s.unit, detail="")
+            self.bar.update(task, completed=s.done, total=s.total, detail=escape(s.detail))
 
     def restart(self, stage: str) -> None:
-        task = self.tasks.pop(stage, None)
-        if task is not None:
-            self.bar.remove_task(task)
+        with self.lock:
+            task = self.tasks.pop(stage, None)
+            if task is not None:
+                self.bar.remove_task(task)
 
     def _index(self, task: TaskID) -> int:
         return next(i for i, t in enumerate(self.bar.tasks) if t.id == task)
@@ -108,7 +114,7 @@ class Lines:
         self.console, self.interval, self.clock = console, interval, clock
         self.start = self.last = clock()
         self.current: Optional[str] = None
-        self.counts: Dict[str, float] = {}  # bytes stages: their running total
+        self.lock = threading.Lock()  # downloads report from their own threads
 
     def line(self, text: str) -> None:
         self.last = self.clock()
@@ -120,11 +126,11 @@ class Lines:
         self.line(f"{name}...")
 
     def step(self, s: Step) -> None:
-        new = s.stage != self.current
-        if new or self.clock() - self.last >= self.interval:
-            self.current = s.stage
-            detail = f" ({s.detail})" if s.detail else ""
-            self.line(f"{s.stage}: {count_text(s.done, s.total, s.unit)}{detail}")
+        with self.lock:
+            if s.stage != self.current or self.clock() - self.last >= self.interval:
+                self.current = s.stage
+                detail = f" ({s.detail})" if s.detail else ""
+                self.line(f"{s.stage}: {count_text(s.done, s.total, s.unit)}{detail}")
 
     def restart(self, stage: str) -> None:
         if self.current == stage:
@@ -146,12 +152,15 @@ def rich_events(console: Console, *, quiet: bool = False, summary: bool = True) 
     view = view_for(console, quiet)
     bytes_done: Dict[str, float] = {}
     bytes_total: Dict[str, Optional[float]] = {}
+    counting = threading.Lock()  # range fetches report from several threads at once
 
     def advance(stage: str, n: float, total: Optional[float] = None) -> None:
-        if total:
-            bytes_total[stage] = total
-        bytes_done[stage] = bytes_done.get(stage, 0) + n
-        view.step(Step(stage, bytes_done[stage], bytes_total.get(stage), BYTES))
+        with counting:
+            if total:
+                bytes_total[stage] = total
+            bytes_done[stage] = bytes_done.get(stage, 0) + n
+            step = Step(stage, bytes_done[stage], bytes_total.get(stage), BYTES)
+        view.step(step)
 
     def on_plan(plan) -> None:
         if summary and not quiet:
