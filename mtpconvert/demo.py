@@ -102,17 +102,20 @@ def results_table(rows, title: str) -> Table:
     return table
 
 
-def next_steps(out: Path, folders, report, console: Console) -> None:
+def next_steps(out: Path, folders, console: Console) -> None:
     """What to run next: a checkpoint of one's own, verify, and where the folders are and what loads them."""
     cmd = command_path()
-    heads = sorted({r.runtime.split("-drafter")[0] for r in report.runtimes if r.head_usable.ok}) if report else []
+    usable = [{r.runtime.split("-drafter")[0] for r in api.runtimes(out / f).runtimes if r.head_usable.ok}
+              for f in folders]  # from headers: the runtimes that draft with each folder's head
+    heads = sorted(set.intersection(*usable))
     lines = [
         ("convert your own checkpoint", f"{cmd} convert ~/models/Qwen3.5-27B out/ --bits 4"),
         ("or straight from the Hub", f"{cmd} pull-and-quantize Qwen/Qwen3.5-27B --bits 4"),
-        ("check any folder", f"{cmd} verify {out / folders[0]}"),
+        ("check any folder", f"{cmd} verify {out / folders[0]}   (which runtimes load it and use its head)"),
         ("the converted folders" if len(folders) > 1 else "the converted folder",
          f"{', '.join(str(out / f) for f in folders)}: mlx_lm.load loads the backbone; "
-         f"{', '.join(heads) or 'no runtime'} draft with the MTP head (docs/interop.md)"),
+         f"{', '.join(heads) or 'no runtime'} draft with the MTP head{' of each' if len(folders) > 1 else ''} "
+         "(docs/interop.md)"),
     ]
     if len(folders) < len(CONVERSIONS):
         lines.append(("all four conversions", "make demo DEMO_ARGS=--all   (python -m mtpconvert.demo --all)"))
@@ -153,7 +156,7 @@ def main(argv=None) -> int:
     # the head's input as the config declares it; --all also the other one, whose lower acceptance shows the
     # declared one is the head's
     hiddens = ("post-norm", "pre-norm") if args.all else ("post-norm",)
-    prompts, rows, first_report = None, [], None
+    prompts, rows, shown = None, [], False
     with rich_events(err, summary=False) as events:
         for folder, label, quant in conversions:
             out = args.out / folder
@@ -168,9 +171,9 @@ def main(argv=None) -> int:
                 verify_failed = "verification" in str(e)
                 rows.append((label, "FAILED" if verify_failed else "ok", "-" if verify_failed else "FAIL", None))
                 continue
-            if first_report is None:
-                first_report = api.verify(converted.out)
-                report_table(first_report, console)
+            if not shown:  # the first folder's verify report: what `mtpconvert verify` prints
+                report_table(api.verify(converted.out), console)
+                shown = True
             if prompts is None:
                 events.stage("reading the bench's prompts")
                 prompts = text_prompts(src) if args.fixture == "text" else fixture_prompts()
@@ -197,7 +200,7 @@ def main(argv=None) -> int:
     console.print(f"demo finished in {time.monotonic() - started:.0f} s", style="dim")
     done = [folder for (folder, _, _), row in zip(conversions, rows) if row[-1] is not None]
     if done:
-        next_steps(args.out, done, first_report, console)
+        next_steps(args.out, done, console)
     return 0 if len(benched) == len(rows) else 1
 
 
