@@ -38,7 +38,9 @@ from .logs import quiet_known_warnings
 from .options import ConvertOptions, QuantOptions
 from .runtime.smoke.floors import DECODING_MIN_ACCEPTANCE, MIN_MLP_GAIN
 
-WARMUP_TOKENS = 8  # per prompt and decoder: each prompt's prefill and the depth-1 pass lengths, untimed
+# untimed, per prompt and decoder: each prompt's prefill, and over the prompts every pass shape of a depth-1
+# decode (drafts kept and rejected); a full-length warm-up doubled the bench's time and changed no acceptance
+WARMUP_TOKENS = 8
 
 
 def fixture_prompts(n: int = 4, length: int = 12, seed: int = 1234):
