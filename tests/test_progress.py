@@ -74,6 +74,27 @@ def test_a_log_gets_a_line_per_stage_and_one_every_heartbeat():
     ]
 
 
+def test_a_log_gets_a_line_for_a_stage_that_counts_nothing_for_a_heartbeat():
+    now = [0.0]
+    out = io.StringIO()
+    log = Lines(Console(file=out, width=200), interval=5.0, clock=lambda: now[0])
+    log.beat()  # before any stage: nothing to say
+    now[0] = 1.0
+    log.stage("MTP smoke test: choosing full or layerwise")
+    for t in (4.9, 6.0, 9.0, 11.2, 12.0):
+        now[0] = t
+        log.beat()
+    log.step(Step("smoke", 0, 432, "tokens"))
+    now[0] = 16.0
+    log.beat()  # a count 3.9 s ago: not yet
+    assert out.getvalue().splitlines() == [
+        "[   1.0s] MTP smoke test: choosing full or layerwise...",
+        "[   6.0s] MTP smoke test: choosing full or layerwise: running for 5 s",
+        "[  11.2s] MTP smoke test: choosing full or layerwise: running for 10 s",
+        "[  12.0s] smoke: 0/432 tokens",
+    ]
+
+
 def test_bars_only_where_both_streams_are_terminals(monkeypatch):
     terminal = Console(file=io.StringIO(), force_terminal=True)
     monkeypatch.setattr("sys.stdout.isatty", lambda: True)

@@ -3,7 +3,8 @@
 Bars (one per stage: converting and downloading in bytes, smoke and bench in tokens, ...) need both
 stdout and stderr on a terminal; with either one piped or logged, or under ``--json``, every stage
 prints one line when it starts and, while it runs, a line with its count at most every
-``HEARTBEAT_S`` seconds, so a log shows a slow machine is not a hung one.
+``HEARTBEAT_S`` seconds, so a log shows a slow machine is not a hung one. A stage that counts nothing
+for that long (importing mlx-lm, loading a model) gets a line saying how long it has run.
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ class Lines:
     def __init__(self, console: Console, interval: float = HEARTBEAT_S,
                  clock: Callable[[], float] = time.monotonic):
         self.console, self.interval, self.clock = console, interval, clock
-        self.start = self.last = clock()
+        self.start = self.last = self.stage_started = clock()
         self.current: Optional[str] = None
-        self.lock = threading.Lock()  # downloads report from their own threads
+        self.stage_name: Optional[str] = None
+        self.lock = threading.Lock()  # downloads report from their own threads, beats from a timer thread
 
     def line(self, text: str) -> None:
         self.last = self.clock()
@@ -122,8 +124,16 @@ class Lines:
                            soft_wrap=True)
 
     def stage(self, name: str) -> None:
-        self.current = None  # the next count starts a line of its own
-        self.line(f"{name}...")
+        with self.lock:
+            self.current = None  # the next count starts a line of its own
+            self.stage_name, self.stage_started = name, self.clock()
+            self.line(f"{name}...")
+
+    def beat(self) -> None:
+        """A line for the stage that runs when nothing was printed for ``interval`` seconds (called by a timer)."""
+        with self.lock:
+            if self.stage_name is not None and self.clock() - self.last >= self.interval:
+                self.line(f"{self.stage_name}: running for {self.clock() - self.stage_started:.0f} s")
 
     def step(self, s: Step) -> None:
         with self.lock:
@@ -180,5 +190,17 @@ def rich_events(console: Console, *, quiet: bool = False, summary: bool = True) 
     if isinstance(view, Bars):
         with view.bar:
             yield events
-    else:
+        return
+    stop = threading.Event()
+
+    def beats() -> None:  # checks a few times an interval, so a silent stage's line comes within ~1.2 intervals
+        while not stop.wait(view.interval / 5):
+            view.beat()
+
+    timer = threading.Thread(target=beats, name="progress-heartbeat", daemon=True)
+    timer.start()
+    try:
         yield events
+    finally:
+        stop.set()
+        timer.join()
