@@ -29,24 +29,10 @@ from .io.checkpoint import Checkpoint, open_checkpoint
 from .options import (BenchOptions, ConvertOptions, ExecuteOptions, HubSource, PublishOptions, RawPolicy,
                       checked_prompts)
 from .plan import Plan, PlanItem, build_plan
+from .progress import Events
 from .provenance import conversion_record
 
 PathLike = Union[str, Path]
-
-
-def _noop(*_args) -> None:
-    return None
-
-
-@dataclass
-class Events:
-    """Progress callbacks; each defaults to doing nothing."""
-
-    plan: Callable[[Plan], None] = _noop  # the plan about to run
-    item: Callable[[PlanItem], None] = _noop  # an item's bytes are on disk
-    stage: Callable[[str], None] = _noop  # a named stage starts (resolving, verifying, smoke, ...)
-    download: Callable[[int, Optional[int]], None] = _noop  # (bytes just fetched, total bytes or None)
-    note: Callable[[str], None] = _noop  # something the user should know (a check skipped, peak disk, ...)
 
 
 class Interrupted(ConvertError):
@@ -112,8 +98,9 @@ def _execute(plan_: Plan, ckpt: Checkpoint, out: Path, execute_options: ExecuteO
     def check(folder: Path) -> None:
         if publisher is not None:
             publisher.drain()  # the last shard's upload: an upload error is reported before any check runs
+        # contract: mtplx_runtime.json, before after_checks commits the folder to the Hub
         run_gate(folder, checks, record, has_mtp=plan_.mtp_layers > 0, on_stage=events.stage, streamed=streamed,
-                   contract=True)  # mtplx_runtime.json, before after_checks commits the folder to the Hub
+                 contract=True, progress=events.progress)
         if after_checks is not None:
             after_checks(folder, record)
 
@@ -223,6 +210,7 @@ def _convert_streamed(pulled, source: HubSource, out: Path, options: ConvertOpti
     once the checks passed (``hub.publish``)."""
     from .hub import pull
     from .hub.publish import committer, shard_publisher
+    from .hub.stream import raw_feed
 
     stage = source.local_dir or out.absolute().parent / f".{out.name}.stream"
     publisher = None
@@ -233,7 +221,8 @@ def _convert_streamed(pulled, source: HubSource, out: Path, options: ConvertOpti
         plan_ = build_plan(ckpt, options)
         if publish is not None:
             publisher = shard_publisher(publish, _partial(out.absolute()), source.token, plan_, checks)
-        feed = _raw_feed(pulled, source, raw, plan_, ckpt)
+        feed = raw_feed(pulled, plan_, ckpt, token=source.token, timeout=source.timeout, keep=raw.shards_held,
+                        window=raw.window_bytes, on_download=events.download)
         if publisher is not None:
             publisher.open()
         try:
@@ -253,22 +242,6 @@ def _convert_streamed(pulled, source: HubSource, out: Path, options: ConvertOpti
     finally:
         if source.local_dir is None:
             shutil.rmtree(stage, ignore_errors=True)
-
-
-def _raw_feed(pulled, source: HubSource, raw: RawPolicy, plan_: Plan, ckpt: Checkpoint):
-    """The streamed pull's raw data: byte ranges at most ``raw.window_bytes`` ahead, else whole shards
-    fetched on first use and deleted after their last, ``raw.shards_held`` at once."""
-    from .hub import pull
-    from .hub.ranges import RangeStream
-    from .hub.sparse import RangeReader
-    from .hub.stream import ShardStream, first_use_order
-
-    if raw.window_bytes is not None:
-        return RangeStream(RangeReader(pulled.repo_id, pulled.sha, token=source.token).read, raw.window_bytes)
-    return ShardStream(first_use_order(plan_, ckpt),
-                       lambda name, dest: pull.fetch_file(pulled, name, dest, token=source.token,
-                                                          timeout=source.timeout),
-                       keep=raw.shards_held)
 
 
 def _drop_stubs(out: Path, stubbed: Sequence[str], events: Events) -> None:
@@ -298,15 +271,19 @@ def add_mtp(source: str, mlx_dir: PathLike, *, revision: Optional[str] = None, m
     record = GateRecord()
 
     def check(folder: Path) -> None:
-        run_gate(folder, checks, record, has_mtp=True, on_stage=events.stage, contract=True)
+        run_gate(folder, checks, record, has_mtp=True, on_stage=events.stage, contract=True, progress=events.progress)
 
     try:
         if Path(source).is_dir():
-            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
+            events.stage(f"adding the MTP head of {source} to {mlx_dir}")
+            added = graft(Path(source), Path(mlx_dir), mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check,
+                          progress=events.progress)
             info = {"sha": "local", "fetched_bytes": 0, "source_bytes": 0, "added": len(added)}
         else:
+            events.stage(f"reading {source}'s shard headers and its MTP head's byte ranges")
             info = add_mtp_from_hub(source, Path(mlx_dir), revision=revision, token=token, mtp=mtp,
-                                    mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check)
+                                    mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check, progress=events.progress,
+                                    on_bytes=lambda n: events.download(n, None))
     except KeyboardInterrupt:
         raise Interrupted(f"interrupted: {mlx_dir} is unchanged") from None
     where = {"source_folder": Path(source).resolve().name} if info["sha"] == "local" else {
@@ -334,19 +311,22 @@ def upload(folder: PathLike, repo_id: str, *, token: Optional[str] = None, priva
         report = verify(folder)
         run_gate(folder, Gate(verify=record.verify is None, smoke=checks.smoke and record.smoke is None,
                                   min_acceptance=checks.min_acceptance, min_mlp_gain=checks.min_mlp_gain),
-                   record, has_mtp=(report.mtp_layers_config or report.mtp_layers_found) > 0, on_stage=events.stage)
+                   record, has_mtp=(report.mtp_layers_config or report.mtp_layers_found) > 0, on_stage=events.stage,
+                   progress=events.progress)
     card = model_card(folder, repo_id, smoke_acceptance=record.smoke_acceptance, verify_ok=record.verify_ok,
                       base_model=base_model)
-    events.stage(f"uploading to {repo_id}")
-    return push(folder, repo_id, token=token, private=private, card=card)
+    return push(folder, repo_id, token=token, private=private, card=card, on_stage=events.stage)
 
 
-def verify(path: PathLike, deep: bool = False):
+def verify(path: PathLike, deep: bool = False, events: Optional[Events] = None):
     """Check any folder (raw HF, ours, another MLX conversion) from its headers; see ``verify.Report``
-    (``.runtimes``: the MTP runtime compatibility table)."""
+    (``.runtimes``: the MTP runtime compatibility table). ``deep``: the tensors read go to ``events.progress``."""
     from .verify import verify as run
 
-    return run(Path(path), deep=deep)
+    events = events or Events()
+    if deep:
+        events.stage(f"verifying {path} (reading every float tensor)")
+    return run(Path(path), deep=deep, progress=events.progress)
 
 
 def families() -> List[dict]:
@@ -373,17 +353,20 @@ def _readable_shards(folder: Path) -> None:
 
 
 def smoke(path: PathLike, prompts: Optional[Sequence[str]] = None, max_tokens: int = 48,
-          hidden: str = "post-norm", min_acceptance: Optional[float] = None):
+          hidden: str = "post-norm", min_acceptance: Optional[float] = None, events: Optional[Events] = None):
     """Greedy MTP decoding next to plain greedy; ``.ok`` is False when the head is absent or broken."""
-    from .runtime.smoke.decode import smoke as run
+    events = events or Events()
+    events.stage(f"MTP smoke test on {path}: {max_tokens} tokens a prompt, plain greedy and MTP at depths 1 and 3")
+    from .runtime.smoke.decode import smoke as run  # mlx-lm and transformers: seconds to import
 
     checked_prompts(prompts)
     _readable_shards(Path(path))
-    return run(Path(path), prompts, max_tokens, hidden, Gate(min_acceptance=min_acceptance).floor_for("full"))
+    return run(Path(path), prompts, max_tokens, hidden, Gate(min_acceptance=min_acceptance).floor_for("full"),
+               progress=events.progress)
 
 
 def bench(path: PathLike, options: BenchOptions = BenchOptions(), *,
-          on_tokens: Optional[Callable[[int], None]] = None):
+          on_tokens: Optional[Callable[[int], None]] = None, events: Optional[Events] = None):
     """MTP speculative decoding against plain decoding: acceptance per depth, tok/s, step costs.
 
     With ``options.concurrency`` (e.g. (1, 2, 4, 8)): batched MTP against mlx-lm's BatchGenerator at each
@@ -393,19 +376,26 @@ def bench(path: PathLike, options: BenchOptions = BenchOptions(), *,
     (``runtime.measure.oracle``; with ``concurrency`` each draft is kept with probability P instead:
     ``oracle_batch.OracleConcurrencyResult``). ``options.cuda_qmv``: on a CUDA device, the multi-row
     quantized matvec where it measures faster (``runtime.decoding.cuda_qmv``). ``on_tokens(n)``: n more
-    tokens decoded."""
-    from .runtime.decoding.sampling import Sampling
+    tokens decoded; ``events.progress``: the tokens (one stream) or runs (``concurrency``) decoded so far."""
+    events = events or Events()
+    events.stage(f"bench on {path}: " + (
+        f"batched MTP vs mlx-lm's BatchGenerator at {list(options.concurrency)} streams" if options.concurrency
+        else f"MTP vs mlx-lm's generate_step, {'/'.join(options.hiddens)} state, depth {list(options.depths)}")
+        + f", {options.max_tokens} tokens a prompt")
+    from .runtime.decoding.sampling import Sampling  # mlx-lm and transformers: seconds to import
     from .runtime.measure.bench import bench as run
 
     sampling = Sampling(options.temperature, options.top_p, options.top_k)
     _readable_shards(Path(path))
     if options.concurrency is not None:
-        return _bench_concurrency(Path(path), options, sampling, on_tokens)
+        return _bench_concurrency(Path(path), options, sampling, on_tokens, events)
     return run(Path(path), options.prompts, options.max_tokens, options.depths, options.hiddens, sampling,
-               options.seed, on_tokens=on_tokens, oracle=options.oracle, cuda_qmv=options.cuda_qmv)
+               options.seed, on_tokens=on_tokens, oracle=options.oracle, cuda_qmv=options.cuda_qmv,
+               progress=events.progress, warmup_tokens=options.warmup_tokens, cross_check=options.cross_check,
+               step_costs=options.step_costs)
 
 
-def _bench_concurrency(path: Path, options: BenchOptions, sampling, on_tokens):
+def _bench_concurrency(path: Path, options: BenchOptions, sampling, on_tokens, events: Events):
     """``bench`` at each of ``options.concurrency`` streams at once (families whose capabilities say batched)."""
     from .families import family_for
     from .runtime.decoding.load import load
@@ -426,9 +416,10 @@ def _bench_concurrency(path: Path, options: BenchOptions, sampling, on_tokens):
     hidden = options.hiddens[0]
     if options.oracle:
         return bench_concurrency_oracle(m, str(path), encoded, options.concurrency, options.oracle, options.max_tokens,
-                                        options.depths, options.seed, hidden, on_tokens=on_tokens)
+                                        options.depths, options.seed, hidden, on_tokens=on_tokens,
+                                        progress=events.progress)
     return bench_concurrency(m, str(path), encoded, options.concurrency, options.max_tokens, options.depths, sampling,
-                             options.seed, hidden, on_tokens=on_tokens)
+                             options.seed, hidden, on_tokens=on_tokens, progress=events.progress)
 
 
 def run_recipe(path: PathLike, out: Optional[PathLike] = None, *, stream: bool = False,

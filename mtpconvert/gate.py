@@ -20,11 +20,13 @@ in the partial folder). Once every check passed, ``run_gate(..., contract=True)`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 from .errors import ConvertError, OptionsError
+from .progress import Progress, Step
 from .runtime.smoke.floors import DECODING_MIN_ACCEPTANCE, LAYERWISE_MIN_ACCEPTANCE, MIN_MLP_GAIN
 from .verify import ERROR, Report, verify
 
@@ -156,24 +158,46 @@ def smoke_failure(result, how: str, folder: Path) -> GateFailed:
                        hint="the head is converted wrongly (use --no-smoke to keep it anyway)")
 
 
-def smoke_full(folder: Path, checks: Gate, on_stage: Callable[[str], None]):
+def smoke_full(folder: Path, checks: Gate, on_stage: Callable[[str], None], progress: Optional[Progress] = None):
     """Greedy MTP decoding next to plain greedy, the whole model loaded."""
     from .runtime.smoke.decode import smoke
 
     on_stage("MTP smoke test (greedy draft/verify decoding, whole model loaded)")
     floor = checks.floor_for("full")
-    result = smoke(folder, checks.prompts, min_acceptance=floor, min_mlp_gain=checks.min_mlp_gain)
+    result = smoke(folder, checks.prompts, min_acceptance=floor, min_mlp_gain=checks.min_mlp_gain, progress=progress)
     if not result.ok:
         raise smoke_failure(result, "full", folder)
     return result
 
 
-def smoke_layerwise(folder: Path, checks: Gate, on_stage: Callable[[str], None]):
+LAYER_MESSAGE = re.compile(r"layer (\d+)/(\d+)$")
+
+
+def layer_steps(progress: Optional[Progress], on_stage: Callable[[str], None]) -> Callable[[str], None]:
+    """The layerwise smoke's messages ("embedding rows", "layer 3/40", "MTP head", "lm_head rows ...") as
+    ``Step``s counting layers, or, with no ``progress``, a stage line for each but the lm_head blocks."""
+    if progress is None:
+        return lambda msg: on_stage(f"layerwise smoke: {msg}") if not msg.startswith("lm_head rows") else None
+    state = {"done": 0, "total": None}
+
+    def report(msg: str) -> None:
+        m = LAYER_MESSAGE.match(msg)
+        if m:
+            state["done"], state["total"] = int(m.group(1)) - 1, int(m.group(2))
+        elif msg == "MTP head" and state["total"] is not None:
+            state["done"] = state["total"]
+        progress(Step("smoke (layerwise)", state["done"], state["total"], "layers", msg))
+
+    return report
+
+
+def smoke_layerwise(folder: Path, checks: Gate, on_stage: Callable[[str], None],
+                    progress: Optional[Progress] = None):
     """Teacher-forced greedy acceptance, one decoder layer resident at a time."""
     from .runtime.smoke.layerwise import layerwise_acceptance
 
     on_stage("MTP smoke test (layerwise: teacher-forced, one layer in memory at a time)")
-    coarse = lambda msg: on_stage(f"layerwise smoke: {msg}") if not msg.startswith("lm_head rows") else None  # noqa: E731
+    coarse = layer_steps(progress, on_stage)
     floor = checks.floor_for("layerwise")
     from .runtime.smoke.compute import fitted_prompt_tokens
     from .runtime.smoke.layerwise import DEFAULT_MAX_PROMPT_TOKENS
@@ -199,26 +223,27 @@ def smoke_streamed(streamed, checks: Gate, on_stage: Callable[[str], None]):
 
 
 def smoke_folder(folder: Path, checks: Gate, record: GateRecord,
-                 on_stage: Callable[[str], None] = lambda s: None):
+                 on_stage: Callable[[str], None] = lambda s: None, progress: Optional[Progress] = None):
     """The smoke ``checks.smoke_mode`` asks for (auto: whichever fits); raise ``GateFailed``
     when the head's acceptance or its MLP gain is below its floor. ``record`` says which ran and why."""
+    on_stage("MTP smoke test: choosing full or layerwise for this model and backend")
     choice = choose_smoke(folder, checks.smoke_mode)
     record.smoke_mode, record.smoke_reason = choice.mode, choice.reason
     run = smoke_full if choice.mode == "full" else smoke_layerwise
-    record.smoke = run(folder, checks, on_stage)
+    record.smoke = run(folder, checks, on_stage, progress)
     return record.smoke
 
 
 def run_gate(folder: Path, checks: Gate, record: GateRecord, *, has_mtp: bool,
                on_stage: Callable[[str], None] = lambda s: None, streamed=None,
-               contract: bool = False) -> None:
+               contract: bool = False, progress: Optional[Progress] = None) -> None:
     """The checks ``checks`` asks for, on ``folder``; findings go into ``record`` (``record.failed``
     names the check that raised, for the caller's resume advice). ``streamed``: the smoke already
     fed the shards as they were written (``runtime.smoke.streamed.StreamedLayerwise``): it finishes here.
     ``contract`` (a folder the command builds: the partial folder before its rename): once they passed,
     write ``mtplx_runtime.json`` from the smoke, or remove one already there that nothing here measured
     (``verify.contract.write``; its note goes to ``record.notes``). ``upload`` never passes it: it does not
-    write into the folder it is given."""
+    write into the folder it is given. ``progress``: the smoke's ``Step``s."""
     if checks.verify:
         on_stage("verifying")
         record.failed = "verify"
@@ -229,7 +254,7 @@ def run_gate(folder: Path, checks: Gate, record: GateRecord, *, has_mtp: bool,
             record.smoke_mode, record.smoke_reason = "layerwise", STREAMED_REASON
             record.smoke = smoke_streamed(streamed, checks, on_stage)
         else:
-            smoke_folder(folder, checks, record, on_stage)
+            smoke_folder(folder, checks, record, on_stage, progress)
     record.failed = None
     if contract:
         from .verify.contract import write

@@ -31,6 +31,7 @@ from .families import family_for
 from .families.base import Family
 from .options import ConvertOptions, QuantOptions
 from .plan import build_plan
+from .progress import Counter, Progress
 from .runtime.decoding.locate import HEAD_PREFIXES
 
 IN_MODEL_SHARD = "model-mtp.safetensors"  # --mtp-layout in-model: a model shard the index lists
@@ -84,9 +85,10 @@ def _is_head_key(family: Family) -> Callable[[str], bool]:
 
 def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optional[int] = None,
           mtp_layout: str = "sidecar", check: Optional[Callable[[Path], None]] = None,
-          absent: Sequence[str] = ()) -> List[str]:
+          absent: Sequence[str] = (), progress: Optional[Progress] = None) -> List[str]:
     """Add the MTP head of the raw checkpoint at ``source_dir`` to ``mlx_dir`` in ``mtp_layout``;
-    return the added tensor names. ``absent``: source shards left out on purpose (vision only)."""
+    return the added tensor names. ``absent``: source shards left out on purpose (vision only);
+    ``progress``: the head's tensors written (stage "add-mtp")."""
     mlx_dir = Path(mlx_dir)
     existing = open_checkpoint(mlx_dir)
     if any(k.startswith((family_for(existing.config).sidecar_prefix, *HEAD_PREFIXES)) for k in existing.tensors):
@@ -117,11 +119,14 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
         specs = [s for it in items for s in it.outputs()]
         writer = StreamingShardWriter(folder.path(head_file), specs, {"format": "mlx"})
         reader = TensorReader()
+        count = Counter(progress, "add-mtp", len(specs), "tensors")
         try:
             for it in items:
+                count.at(it.name)
                 for spec, arr in zip(it.outputs(), produce(it, raw, reader)):
                     writer.write(spec.key, arr)
                     added.append(spec.key)
+                    count.add()
             writer.close()
         except BaseException:
             writer.abort()
@@ -150,8 +155,10 @@ def graft(source_dir: Path, mlx_dir: Path, *, mtp: str = "keep", mtp_bits: Optio
 
 def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = None, token: Optional[str] = None,
                      mtp: str = "keep", mtp_bits: Optional[int] = None, mtp_layout: str = "sidecar",
-                     check: Optional[Callable[[Path], None]] = None) -> dict:
-    """Fetch headers + MTP byte ranges of ``repo_id`` into a sparse mirror, then graft."""
+                     check: Optional[Callable[[Path], None]] = None, progress: Optional[Progress] = None,
+                     on_bytes: Optional[Callable[[int], None]] = None) -> dict:
+    """Fetch headers + MTP byte ranges of ``repo_id`` into a sparse mirror, then graft. ``on_bytes``: each
+    range's size as it arrives; ``progress``: see ``graft``."""
     from huggingface_hub import hf_hub_download
 
     from .hub import pull as hub
@@ -167,8 +174,8 @@ def add_mtp_from_hub(repo_id: str, mlx_dir: Path, *, revision: Optional[str] = N
                                                 endpoint=hub.endpoint(), cache_dir=hub.cache_dir()), mirror / name)
         family = family_for(json.loads((mirror / "config.json").read_text()))
         fetched = fetch_sparse(repo_id, pull.sha, {n: sizes[n] for n in shard_names}, mirror, _is_head_key(family),
-                               token)
+                               token, on_bytes=on_bytes)
         added = graft(mirror, mlx_dir, mtp=mtp, mtp_bits=mtp_bits, mtp_layout=mtp_layout, check=check,
-                      absent=pull.skipped_shards)
+                      absent=pull.skipped_shards, progress=progress)
     return {"sha": pull.sha, "fetched_bytes": fetched, "source_bytes": sum(sizes[n] or 0 for n in shard_names),
             "added": len(added)}

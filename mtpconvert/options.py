@@ -217,7 +217,9 @@ class BenchOptions:
     instead of one stream at a time. ``oracle``: acceptance rates P (greedy only): every row once per P,
     each draft replaced by the true greedy token with probability P (with ``concurrency``: kept with
     probability P). ``cuda_qmv``: on a CUDA device, the multi-row quantized matvec where it measures faster.
-    Sequences given as lists are kept as tuples."""
+    ``warmup_tokens``: tokens of each untimed warm-up decode (None: ``max_tokens``); ``cross_check``: time our
+    plain loop beside mlx-lm's; ``step_costs``: time a step of each kind. Sequences given as lists are kept as
+    tuples."""
 
     prompts: Optional[Tuple[str, ...]] = None
     max_tokens: int = 128
@@ -230,6 +232,9 @@ class BenchOptions:
     concurrency: Optional[Tuple[int, ...]] = None
     oracle: Tuple[float, ...] = ()
     cuda_qmv: bool = False
+    warmup_tokens: Optional[int] = None
+    cross_check: bool = True
+    step_costs: bool = True
 
     def __post_init__(self):
         for name in ("prompts", "depths", "hiddens", "concurrency", "oracle"):
@@ -238,6 +243,8 @@ class BenchOptions:
         checked_prompts(self.prompts)
         if self.max_tokens < 1:
             raise OptionsError(f"--max-tokens must be 1 or more, not {self.max_tokens}")
+        if self.warmup_tokens is not None and self.warmup_tokens < 1:
+            raise OptionsError(f"warmup_tokens must be 1 or more, not {self.warmup_tokens}")
         if not self.depths or any(d < 1 for d in self.depths):
             raise OptionsError("--depth must be >= 1")
         if not self.hiddens or any(h not in HIDDEN_STATES for h in self.hiddens):

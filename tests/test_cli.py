@@ -314,7 +314,11 @@ def test_ctrl_c_in_the_demo_is_one_line_and_exit_130(tmp_path, monkeypatch, caps
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(demo, "execute", interrupted)  # Ctrl-C while the first conversion runs
+    monkeypatch.setattr("mtpconvert.execute.execute", interrupted)  # Ctrl-C while the first conversion runs
+    assert demo.run(["--out", str(tmp_path / "demo")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
+    monkeypatch.setattr(demo.api, "bench", interrupted)  # ... or while it is benched
     assert demo.run(["--out", str(tmp_path / "demo")]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err

@@ -2,6 +2,7 @@
 processes run, Ctrl-C while --stream downloads, and the output lock (filelock)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,9 +76,13 @@ def group_gone(pgid: int) -> bool:
     return False
 
 
+PROGRESS_LINE = re.compile(r"\[ *\d+\.\ds\] ")
+
+
 def error_lines(stderr: str) -> list:
-    """What the run printed after its plan summary (which ends with the 'layout ...' lines)."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
+    """What the run printed after its plan summary (which ends with the 'layout ...' lines), its progress log
+    ('[   6.9s] converting: ...': stderr is not a terminal) left out."""
+    lines = [line for line in stderr.splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
     after = max((i for i, line in enumerate(lines) if line.startswith("layout ")), default=-1) + 1
     return lines[after:]
 

@@ -8,7 +8,6 @@ from typing import Annotated, List
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .. import api
 from ..errors import OptionsError
@@ -16,6 +15,7 @@ from ..options import HIDDEN_STATES, BenchOptions
 from . import options as o
 from .errors import handled
 from .helpfmt import Command
+from .progress import rich_events
 from .render import (bench_table, concurrency_table, divergence_text, oracle_concurrency_table, report_table,
                      runtimes_table)
 
@@ -85,7 +85,8 @@ def verify(
 ):
     """Check a folder from its headers: layout, MTP, experts, norm shift, quantization, index, and which MTP
     runtimes can load it and use its head."""
-    report = api.verify(path, deep=deep)
+    with rich_events(console, quiet=as_json) as events:
+        report = api.verify(path, deep=deep, events=events)
     if as_json:
         out_console.print_json(json.dumps(report.to_json()))
     else:
@@ -105,7 +106,8 @@ def smoke(
     as_json: o.Json = False,
 ):
     """Greedy MTP decoding next to plain greedy on a few prompts; non-zero exit when the head is absent or broken."""
-    result = api.smoke(path, prompt, max_tokens, hidden.value, min_acceptance)
+    with rich_events(console, quiet=as_json) as events:
+        result = api.smoke(path, prompt, max_tokens, hidden.value, min_acceptance, events=events)
     if as_json:
         out_console.print_json(json.dumps(result.to_json()))
     else:
@@ -139,10 +141,8 @@ def bench(
                            hiddens=HIDDEN_STATES if hidden is o.BenchHidden.both else (hidden.value,),
                            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                            concurrency=_concurrency(concurrency), oracle=oracle or (), cuda_qmv=cuda_qmv)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
-                  TimeElapsedColumn(), console=console, transient=True, disable=as_json) as bar:
-        task = bar.add_task("decoding", total=_tokens_decoded(options))
-        result = api.bench(path, options, on_tokens=lambda n: bar.advance(task, n))
+    with rich_events(console, quiet=as_json) as events:
+        result = api.bench(path, options, events=events)
     if as_json:
         out_console.print_json(json.dumps(result.to_json(), default=str))
     elif options.concurrency is not None and options.oracle:
@@ -161,19 +161,6 @@ def _concurrency(text):
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise OptionsError(f"--concurrency must be comma-separated integers, not {text!r}") from None
-
-
-def _tokens_decoded(options: BenchOptions) -> int:
-    """Tokens the bench decodes, for its progress bar: two timed decodes per prompt (three by default),
-    backbone state, depth and oracle rate; with --concurrency, per stream of each level and per depth, four
-    timed decoders, or with oracle rates BatchGenerator and the plain engine once and MTP once per rate."""
-    prompts = len(options.prompts) if options.prompts else 3
-    rates = len(options.oracle) or 1
-    per_depth = options.max_tokens * len(options.depths)
-    if options.concurrency is not None:
-        decoders = 2 + len(options.oracle) if options.oracle else 4
-        return decoders * sum(options.concurrency) * per_depth
-    return 2 * prompts * len(options.hiddens) * rates * per_depth
 
 
 def register(app: typer.Typer) -> None:

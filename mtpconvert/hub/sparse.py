@@ -12,8 +12,9 @@ from .errors import endpoint, hub_error
 
 
 def fetch_sparse(repo_id: str, sha: str, shards: Dict[str, int], dest: Path, want: Callable[[str], bool],
-                 token: Optional[str] = None) -> int:
-    """Mirror ``shards`` (name -> size) into ``dest`` with only headers and wanted tensors filled in."""
+                 token: Optional[str] = None, on_bytes: Optional[Callable[[int], None]] = None) -> int:
+    """Mirror ``shards`` (name -> size) into ``dest`` with only headers and wanted tensors filled in;
+    ``on_bytes(n)`` after each wanted tensor's ``n`` bytes arrived."""
     reader = RangeReader(repo_id, sha, token)
     fetched = 0
     try:
@@ -33,6 +34,8 @@ def fetch_sparse(repo_id: str, sha: str, shards: Dict[str, int], dest: Path, wan
                         out.seek(info.start)
                         out.write(reader.read(name, info.start, info.end))
                         fetched += info.end - info.start
+                        if on_bytes:
+                            on_bytes(info.end - info.start)
     finally:
         reader.close()
     return fetched

@@ -141,6 +141,36 @@ class ShardStream:
             self._lock.notify_all()
 
 
+def raw_feed(pulled, plan, ckpt, *, token: Optional[str], timeout: float, keep: int, window: Optional[int],
+             on_download: Callable[[int, Optional[int]], None]):
+    """Where a streamed conversion reads raw data from: byte ranges at most ``window`` bytes ahead
+    (``ranges.RangeStream``), or whole shards, ``keep`` on disk at once (``ShardStream``).
+    ``on_download(bytes, total)`` as data arrives: first (0, the total, when whole shards make it known)."""
+    from . import pull
+    from .ranges import RangeStream
+    from .sparse import RangeReader
+
+    if window is not None:
+        on_download(0, None)
+        ranges = RangeReader(pulled.repo_id, pulled.sha, token=token)
+
+        def fetch_range(name: str, start: int, end: int) -> bytes:
+            data = ranges.read(name, start, end)
+            on_download(len(data), None)
+            return data
+
+        return RangeStream(fetch_range, window)
+    order = first_use_order(plan, ckpt)
+    sizes = {f.name: f.size or 0 for f in pulled.files}
+    on_download(0, sum(sizes.get(p.name, 0) for p in order) or None)
+
+    def fetch_shard(name: str, dest: Path) -> None:
+        pull.fetch_file(pulled, name, dest, token=token, timeout=timeout)
+        on_download(sizes.get(name, 0), None)
+
+    return ShardStream(order, fetch_shard, keep=keep)
+
+
 def first_use_order(plan, ckpt) -> List[Path]:
     """Source files in the order execution first reads them."""
     seen: Dict[Path, None] = {}

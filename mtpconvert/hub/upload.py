@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from ..io.files import contained
 from .errors import hub_api, hub_error
@@ -34,10 +34,14 @@ def folder_operations(folder: Path, card: Optional[str]) -> list:
 
 
 def upload(folder: Path, repo_id: str, *, token: Optional[str] = None, private: bool = False,
-           card: Optional[str] = None, message: Optional[str] = None) -> str:
+           card: Optional[str] = None, message: Optional[str] = None,
+           on_stage: Callable[[str], None] = lambda text: None) -> str:
     """Create the repo if needed and upload the folder (with its card) in one commit; return the commit url."""
     folder = Path(folder)
     operations = folder_operations(folder, card)
+    size = sum(Path(op.path_or_fileobj).stat().st_size for op in operations if isinstance(op.path_or_fileobj, str))
+    on_stage(f"uploading {len(operations)} files ({size / 1e9:.2f} GB) to {repo_id} in one commit "
+             "(huggingface_hub draws the transfer)")
     api = hub_api(token)
     try:
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True, token=token)

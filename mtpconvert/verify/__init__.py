@@ -10,10 +10,12 @@ converters publish (``foreign``); ``contract`` writes the runtime contract file 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from ..errors import ConvertError
 from ..families import family_for
 from ..io.checkpoint import open_checkpoint
+from ..progress import Progress
 from . import foreign
 from .files import add_runtime_table, check_drafter_config, check_finite, check_head_files, check_manifests
 from .report import ERROR, INFO, WARNING, Finding, Report
@@ -22,8 +24,9 @@ from .tensors import check_config, check_norms, check_sources, check_tensors
 __all__ = ["ERROR", "INFO", "WARNING", "Finding", "Report", "verify"]
 
 
-def verify(path: Path, deep: bool = False) -> Report:
-    """Check a folder from its headers; ``deep`` also reads every float tensor for NaN/Inf."""
+def verify(path: Path, deep: bool = False, progress: Optional[Progress] = None) -> Report:
+    """Check a folder from its headers; ``deep`` also reads every float tensor for NaN/Inf (``progress``: the
+    tensors read)."""
     report = Report(path=str(path))
     try:
         ckpt = open_checkpoint(Path(path), head_files=False)  # their problems: findings (_check_head_files)
@@ -56,7 +59,7 @@ def verify(path: Path, deep: bool = False) -> Report:
     check_config(ckpt, spec, report)
     if report.layout == "head-only":  # OUT/mtp: its config is the model's, naming files of the model folder
         if deep:
-            check_finite(ckpt, report)
+            check_finite(ckpt, report, progress)
         if drafter:  # mlx-vlm's drafter folder: its own config, its own runtime table
             add_runtime_table(Path(path), report)
             foreign.drafter_finding(report, Path(path))
@@ -65,7 +68,7 @@ def verify(path: Path, deep: bool = False) -> Report:
     check_manifests(ckpt.root, report)
     check_drafter_config(ckpt.root, ckpt.config, report)
     if deep:
-        check_finite(ckpt, report)
+        check_finite(ckpt, report, progress)
     add_runtime_table(Path(path), report)
     foreign.runtime_gaps(report)
     return report

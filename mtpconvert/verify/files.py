@@ -23,6 +23,7 @@ from ..io.reader import TensorReader
 from ..io.files import contained
 from ..io.head_files import head_problems
 from ..plan.head import MTP_DRAFTER_CONFIG
+from ..progress import Counter, Progress
 
 from .report import ERROR, WARNING
 
@@ -147,20 +148,24 @@ def add_runtime_table(path: Path, report) -> None:
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
-def check_finite(ckpt: Checkpoint, report) -> None:
-    """Read each float tensor once (one shard mapped at a time) and name any holding NaN or Inf."""
+def check_finite(ckpt: Checkpoint, report, progress: Optional[Progress] = None) -> None:
+    """Read each float tensor once (one shard mapped at a time) and name any holding NaN or Inf;
+    ``progress`` counts the tensors read (stage "verify --deep")."""
     reader = TensorReader()
     try:
         by_file: Dict[Path, List[str]] = defaultdict(list)
         for key, info in ckpt.tensors.items():
             if info.dtype in FLOAT_DTYPES:
                 by_file[info.file].append(key)
+        count = Counter(progress, "verify --deep", sum(map(len, by_file.values())), "tensors")
         for file in sorted(by_file):
+            count.at(Path(file).name)
             for key in sorted(by_file[file]):
                 arr = reader.read(ckpt.tensors[key])
                 nan, inf = (int(mx.sum(f(arr)).item()) for f in (mx.isnan, mx.isinf))
                 if nan or inf:
                     report.add("non-finite", ERROR, f"{nan} NaN and {inf} Inf values", key, file)
+                count.add()
             reader.release(file)
     finally:
         reader.close()

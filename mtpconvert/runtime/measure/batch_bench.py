@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ...progress import Counter, Progress
 from ..decoding.batched import Stream, run_batch, warm_up
 from ..decoding.draft_policy import DraftPolicy
 from ..decoding.load import MTPModel
@@ -236,13 +237,17 @@ class ConcurrencyResult:
 def bench_concurrency(
     m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], max_tokens: int = 64,
     depths: Sequence[int] = (1,), sampling: Sampling = Sampling(), seed: int = 0, hidden: str = "post-norm",
-    on_tokens: Optional[Callable[[int], None]] = None, rounds: int = 1,
+    on_tokens: Optional[Callable[[int], None]] = None, rounds: int = 1, progress: Optional[Progress] = None,
 ) -> ConcurrencyResult:
     """Stream i of a level takes prompt i mod len(encoded); stream i samples with seed + i. Each decoder
-    reports its median of ``rounds`` interleaved timed runs."""
+    reports its median of ``rounds`` interleaved timed runs. ``progress`` counts the runs, warm-up included
+    (stage "bench")."""
     result = ConcurrencyResult(path, sampling, max_tokens, len(encoded))
+    count = Counter(progress, "bench", len(depths) * len(concurrency) * 4 * (1 + rounds), "runs")
     for depth in depths:
         for c in concurrency:
+            level = f"depth {depth}, {c} stream{'s' if c > 1 else ''}"
+            count.at(f"{level}: warm-up")
             prompts = [encoded[i % len(encoded)] for i in range(c)]
             decoders = {
                 "batchgen": lambda: batchgen_decode(m, prompts, max_tokens, sampling, seed),
@@ -253,14 +258,17 @@ def bench_concurrency(
                 warm_up(m, depth, c, hidden)
             for run in decoders.values():  # warm-up: compiles every shape the timed runs meet
                 run()
+                count.add()
             policy = DraftPolicy()
             engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden, policy)  # warms it up too
+            count.add()
             decoders["auto"] = lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden,
                                                      policy)
             timed = {name: [] for name in decoders}
             names = list(decoders)
             for i in range(rounds):
                 for name in (names[j] for j in round_order(len(names), i)):
+                    count.at(f"{level}: round {i + 1}/{rounds}, {name}")
                     run = decoders[name]
                     gc.collect()  # the last run's garbage is not collected on this run's time
                     mx.clear_cache()
@@ -269,6 +277,7 @@ def bench_concurrency(
                     timed[name][-1].cpu_s = time.process_time() - c0
                     if on_tokens:
                         on_tokens(timed[name][-1].generated + c)
+                    count.add()
             runs = {}
             for name, done in timed.items():
                 ranked = sorted(done, key=lambda r: r.aggregate_tps)

@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from ...progress import Counter, Progress
 from ..smoke.decode import Divergence, divergence, encode_prompts
 from ..decoding.load import MTPModel, load
 from ..decoding.rollback import RollbackArraysCache
@@ -265,8 +266,16 @@ def bench(
     oracle: Sequence[float] = (),
     refine: int = 4,
     cuda_qmv: bool = False,
+    progress: Optional[Progress] = None,
+    warmup_tokens: Optional[int] = None,
+    cross_check: bool = True,
+    step_costs: bool = True,
 ) -> BenchResult:
     """``prompt_ids`` replaces ``prompts`` with token ids (a folder with no tokenizer, e.g. random weights).
+
+    ``progress`` counts the tokens decoded, warm-up included (stage "bench"). ``warmup_tokens``: tokens of
+    each untimed warm-up decode (None: ``max_tokens``, every workload as it is timed). ``cross_check``:
+    time our plain loop too (``BenchRow.plain_loop``). ``step_costs``: time them (``BenchRow.costs``).
 
     ``oracle``: acceptance rates P; each (hidden, depth) row is then run once per P with every greedy
     draft replaced by the true greedy token with probability P (``measure/oracle.py``); the
@@ -293,19 +302,29 @@ def bench(
                          "plan": {f"{e['n']}x{e['k']} rows={e['rows']}": e["best"] for e in entries}}
     vocab = m.backbone.vocab_size
     references = {}
+    warm = max_tokens if warmup_tokens is None or oracle else min(warmup_tokens, max_tokens)
+    first = max(warm, max_tokens // 2 + 1)  # mlx-lm's warm-up of prompt 0 also gives the step costs' context
+    extra = max(depths) if oracle else 0  # the oracle looks up to depth tokens past the last one
+    per_warm = warm * ((1 if cross_check else 0) + len(depths))
+    per_row = max_tokens * (3 if cross_check else 2)
+    count = Counter(progress, "bench", first + extra + (len(encoded) - 1) * (warm + extra) + len(encoded) * per_warm
+                    + len(hiddens) * len(depths) * max(1, len(oracle)) * len(encoded) * per_row, "tokens")
     # Warm-up: one untimed run of every workload. Kernels are compiled per shape (the CUDA
     # backend's JIT takes ~0.1 s each), and a depth-k decode meets pass lengths 1..k+1 and
     # every prompt's prefill length: a short warm-up left compiles in the first timed row.
+    mark = 0
     for i, ids in enumerate(encoded):
-        extra = max(depths) if oracle else 0  # the oracle looks up to depth tokens past the last one
-        generated, _ = mlx_lm_generate(m, ids, max_tokens + extra, sampling, seed + i)
+        count.at(f"warm-up, prompt {i + 1}/{len(encoded)}", done=mark)
+        n = (first if i == 0 else warm) + extra
+        generated, _ = mlx_lm_generate(m, ids, n, sampling, seed + i, on_tokens=count.add)
         references[i] = generated
-        generated = generated[:max_tokens]
-        plain_generate(m, ids, max_tokens, sampling, seed + i)
+        if cross_check:
+            plain_generate(m, ids, warm, sampling, seed + i, on_tokens=count.add)
         if i == 0:  # step costs are timed half-way through the first prompt's decode
-            cost_context = ids + generated[: len(generated) // 2]
+            cost_context = ids + generated[: max_tokens // 2]
         for depth in depths:
-            mtp_generate(m, ids, max_tokens, depth, sampling, hiddens[0], seed + i)
+            mtp_generate(m, ids, warm, depth, sampling, hiddens[0], seed + i, on_tokens=count.add)
+        mark += n + per_warm
     oracles = {}
     for depth in depths:
         for p in oracle:
@@ -319,29 +338,47 @@ def bench(
             o.stats = type(o.stats)()
     for hidden in hiddens:
         for depth in depths:
-            costs = measure_step_costs(m, cost_context, depth)
+            count.at(f"step costs, {hidden} depth {depth}", done=mark)
+            costs = measure_step_costs(m, cost_context, depth) if step_costs else None
             for p in oracle or (None,):
+                label = f"{hidden} depth {depth}" + (f" oracle P={p:g}" if p is not None else "")
                 result.rows.append(bench_row(m, encoded, max_tokens, hidden, depth, sampling, seed, on_tokens,
-                                             oracles.get((depth, p))))
+                                             oracles.get((depth, p)), cross_check=cross_check,
+                                             count=count, label=label))
                 result.rows[-1].costs = costs
+                mark += len(encoded) * per_row
     return result
 
 
 def bench_row(m: MTPModel, encoded: Sequence[List[int]], max_tokens: int, hidden: str, depth: int,
               sampling: Sampling, seed: int, on_tokens: Optional[Callable[[int], None]],
-              oracle: Optional[Oracle] = None) -> BenchRow:
-    """The three decoders on every prompt, interleaved per prompt so drift (heat, other load) hits all alike."""
+              oracle: Optional[Oracle] = None, cross_check: bool = True, count: Optional[Counter] = None,
+              label: str = "") -> BenchRow:
+    """The three decoders on every prompt (two without ``cross_check``: our plain loop), interleaved per
+    prompt so drift (heat, other load) hits all alike. ``count``: the bench's progress, at ``label``."""
     row = BenchRow(hidden, depth, DecodeStats(depth=depth), DecodeStats(),
                    divergences=[] if sampling.greedy else None, oracle=oracle)
     if oracle is not None:
         oracle.stats = type(oracle.stats)()
+    count = count or Counter(None, "bench", None)
+    timed = lambda n: (count.add(n), on_tokens(n) if on_tokens else None)  # noqa: E731
+    start = count.done
+    decoders = 3 if cross_check else 2
+
+    def at(i: int, k: int, name: str) -> None:  # decoder k of prompt i starts
+        count.at(f"{label}: prompt {i + 1}/{len(encoded)}, {name}", done=start + (i * decoders + k) * max_tokens)
+
     for i, ids in enumerate(encoded):
-        reference, ps = mlx_lm_generate(m, ids, max_tokens, sampling, seed + i, on_tokens=on_tokens)
-        _, ls = plain_generate(m, ids, max_tokens, sampling, seed + i)
-        tokens, ms = mtp_generate(m, ids, max_tokens, depth, sampling, hidden, seed + i, on_tokens=on_tokens,
+        at(i, 0, "mlx-lm")
+        reference, ps = mlx_lm_generate(m, ids, max_tokens, sampling, seed + i, on_tokens=timed)
+        if cross_check:
+            at(i, 1, "our plain loop")
+            _, ls = plain_generate(m, ids, max_tokens, sampling, seed + i, on_tokens=count.add)
+            row.plain_loop.add(ls)
+        at(i, decoders - 1, "MTP")
+        tokens, ms = mtp_generate(m, ids, max_tokens, depth, sampling, hidden, seed + i, on_tokens=timed,
                                   draft_hook=oracle.for_stream(i) if oracle is not None else None)
         row.plain.add(ps)
-        row.plain_loop.add(ls)
         row.mtp.add(ms)
         if oracle is not None and parted(oracle.references[i], tokens):
             row.reference_misses += 1

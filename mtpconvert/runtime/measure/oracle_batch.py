@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ...progress import Counter, Progress
 from ..decoding.batched import Stream, run_batch
 from ..decoding.draft_policy import DraftPolicy
 from ..decoding.load import MTPModel
@@ -128,12 +129,18 @@ def bench_concurrency_oracle(
     m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], oracle: Sequence[float],
     max_tokens: int = 64, depths: Sequence[int] = (1,), seed: int = 0, hidden: str = "post-norm",
     on_tokens: Optional[Callable[[int], None]] = None, on_row: Optional[Callable[[OracleConcurrencyRow], None]] = None,
+    progress: Optional[Progress] = None,
 ) -> OracleConcurrencyResult:
-    """Every (depth, C, P) row as described in the module doc; ``on_row(row)`` as each is done."""
+    """Every (depth, C, P) row as described in the module doc; ``on_row(row)`` as each is done; ``progress``
+    counts the rows (stage "bench")."""
     result = OracleConcurrencyResult(path, max_tokens, len(encoded), tuple(oracle))
+    count = Counter(progress, "bench", len(depths) * len(concurrency) * len(oracle), "rows")
+    count.at("step costs' context")
     cost_context = list(encoded[0]) + mlx_lm_generate(m, encoded[0], max_tokens // 2)[0]
     for depth in depths:
         for c in concurrency:
+            level = f"depth {depth}, {c} stream{'s' if c > 1 else ''}"
+            count.at(f"{level}: step costs, warm-up, baselines")
             prompts = [encoded[i % len(encoded)] for i in range(c)]
             costs = measure_step_costs(m, cost_context, depth, rows=c)
             batchgen_decode(m, prompts, max_tokens, Sampling(), seed)  # warm-ups
@@ -142,6 +149,7 @@ def bench_concurrency_oracle(
             batchgen = batchgen_decode(m, prompts, max_tokens, Sampling(), seed)
             plain = engine_run(m, prompts, max_tokens, depth, "plain", hidden, seed)
             for p in oracle:
+                count.at(f"{level}: oracle P={p:g}")
                 policy = DraftPolicy()
                 engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, KeepOracle(p, seed), policy)  # warms it
                 auto = engine_run(m, prompts, max_tokens, depth, "auto", hidden, seed, KeepOracle(p, seed), policy)
@@ -149,6 +157,7 @@ def bench_concurrency_oracle(
                 mtp = engine_run(m, prompts, max_tokens, depth, "mtp", hidden, seed, o)
                 result.rows.append(OracleConcurrencyRow(c, depth, p, batchgen, plain, mtp, auto, policy, costs, o,
                                                         batchgen.tokens == plain.run.tokens))
+                count.add()
                 if on_row:
                     on_row(result.rows[-1])
                 if on_tokens:

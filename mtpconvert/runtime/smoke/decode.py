@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from ...errors import LayoutError
+from ...progress import Counter, Progress
 
 from ..decoding.load import MTPModel, load
 from ..decoding.locate import readable_folder
@@ -177,16 +178,27 @@ def smoke(
     model: Optional[MTPModel] = None,
     min_mlp_gain: Optional[float] = MIN_MLP_GAIN,
     deep_depth: int = DEEP_DEPTH,
+    progress: Optional[Progress] = None,
 ) -> SmokeResult:
     """Plain and MTP greedy decoding of each prompt (depth 1, the gated one), and the same prompts at
-    ``deep_depth`` (0: not run), whose token identity with plain greedy is recorded, never gated."""
+    ``deep_depth`` (0: not run), whose token identity with plain greedy is recorded, never gated.
+    ``progress`` counts the tokens decoded (stage "smoke")."""
     m = model or load_folder(path)
     result = SmokeResult(str(path), hidden, min_acceptance=min_acceptance, min_mlp_gain=min_mlp_gain)
     decoded = []
-    for i, ids in enumerate(encode_prompts(path, prompts)):
-        plain, ps = plain_generate(m, ids, max_tokens)
+    encoded = encode_prompts(path, prompts)
+    decodes = 3 if deep_depth > 1 else 2
+    count = Counter(progress, "smoke", len(encoded) * decodes * max_tokens, "tokens")
+
+    def running(i: int, what: str, finished: int) -> None:
+        count.at(f"prompt {i + 1}/{len(encoded)}: {what}", done=(i * decodes + finished) * max_tokens)
+
+    for i, ids in enumerate(encoded):
+        running(i, "plain greedy", 0)
+        plain, ps = plain_generate(m, ids, max_tokens, on_tokens=count.add)
         decoded.append(list(ids) + plain)
-        spec, ms = mtp_generate(m, ids, max_tokens, hidden=hidden)
+        running(i, "MTP depth 1", 1)
+        spec, ms = mtp_generate(m, ids, max_tokens, hidden=hidden, on_tokens=count.add)
         result.plain.add(ps)
         result.mtp.add(ms)
         result.per_prompt.append(ms.acceptance)
@@ -194,10 +206,12 @@ def smoke(
         if found is not None:
             result.divergences.append(found)
         if deep_depth > 1:
-            deep, ds = mtp_generate(m, ids, max_tokens, depth=deep_depth, hidden=hidden)
+            running(i, f"MTP depth {deep_depth}", 2)
+            deep, ds = mtp_generate(m, ids, max_tokens, depth=deep_depth, hidden=hidden, on_tokens=count.add)
             result.deep.add(ds)
             if deep != plain:
                 result.deep_mismatches.append(i)
+    count.at("the head's MLP gain (teacher-forced)", done=count.total)
     result.mlp_gain_paired = teacher_forced_mlp_gain(m, decoded, hidden)
     return result
 
