@@ -18,8 +18,8 @@ fixtures.
 export writes the raw release layout: ``Qwen4ExpForConditionalGeneration.save_pretrained`` of the weights (an
 untrained one-block vision tower included), ``mtp.*`` in the last shard, bf16 but the int64 n-gram hashing buffers;
 it reads the folder back through ``from_pretrained`` and measures the head's acceptance in torch (greedy, teacher-
-forced, two broken heads) into training.json and README.md. check converts the folder with ``mtpconvert convert``
-(float32 and 4-bit), runs our smoke on it and on the conversions ``broken.py`` makes, and mlx-vlm's drafter on
+forced, three broken heads) into training.json and README.md; acceptance measures a written folder again. check
+converts the folder with ``mtpconvert convert`` (float32 and 4-bit), runs our smoke on it and on the conversions ``broken.py`` makes, and mlx-vlm's drafter on
 ``OUT/mtp``; it records those numbers too.
 
 To make the folder again (the shipped one: 330 s of training on one H200, ``--device cuda``; the same command
@@ -30,6 +30,7 @@ with ``--device cpu --threads 2 --steps 3594`` trains the same number of steps o
         --time-budget 330 --batch 32 --seq 128 --warmup 100 --logs 40 --eval-every 4 --save-at
     python -m tools.fixture_training.qwen4_exp export --stage /tmp/stage --run /tmp/run-q4x \\
         --commands "python -m tools.fixture_training prepare --stage STAGE" "..."
+    python -m tools.fixture_training.qwen4_exp acceptance mtpconvert/fixture/data/text-qwen4_exp-mtp --stage /tmp/stage
     python -m tools.fixture_training.qwen4_exp check mtpconvert/fixture/data/text-qwen4_exp-mtp
 
 Modules: model (config, model, head, forward), train, export (layout and torch acceptance), broken (MLX folders

@@ -1,4 +1,4 @@
-"""The qwen4_exp fixture's command line: ``python -m tools.fixture_training.qwen4_exp train|export|check``."""
+"""The qwen4_exp fixture's command line: ``python -m tools.fixture_training.qwen4_exp train|export|acceptance|check``."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def add_train_args(p) -> None:
 
 
 def main(argv=None) -> None:
-    from tools.fixture_training.qwen4_exp.export import export_qwen4_exp
+    from tools.fixture_training.qwen4_exp.export import export_qwen4_exp, remeasure_qwen4_exp
     from tools.fixture_training.qwen4_exp.check import check_folder
 
     ap = argparse.ArgumentParser(prog="python -m tools.fixture_training.qwen4_exp", description=qwen4_exp.__doc__,
@@ -48,6 +48,13 @@ def main(argv=None) -> None:
     p.add_argument("--commands", nargs="*", help="the commands that made it, recorded in training.json")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the acceptance (default: torch's)")
     p.set_defaults(func=export_qwen4_exp)
+
+    p = sub.add_parser("acceptance", help="the head's torch acceptance of a written folder again, into training.json")
+    p.add_argument("folder", nargs="?", default=str(FIXTURE))
+    p.add_argument("--stage", required=True, help="the stage the folder was trained on (its heldout.npy)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--no-record", action="store_true", help="print only; leave training.json as it is")
+    p.set_defaults(func=remeasure_qwen4_exp)
 
     p = sub.add_parser("check", help="convert the folder, our smoke and mlx-vlm's drafter on it; into training.json")
     p.add_argument("folder", nargs="?", default=str(FIXTURE))

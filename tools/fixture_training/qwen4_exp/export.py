@@ -139,6 +139,32 @@ def export_qwen4_exp(args) -> None:
           f"{acc['teacher_forced']:.4f}; broken: {json.dumps(acc['broken'])}")
 
 
+def remeasure_qwen4_exp(args) -> None:
+    """The torch acceptance of a written folder again (``acceptance`` in its training.json replaced; ``--no-record``:
+    printed only), on the stage's held-out ids."""
+    import torch
+    import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = Path(args.folder)
+    lm, head = read_back(folder)
+    acc = acceptance(lm, head, np.load(Path(args.stage) / "heldout.npy"))
+    acc["measured_with"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    print(json.dumps({k: v for k, v in acc.items() if k != "method"}, indent=1))
+    if args.no_record:
+        return
+    record = json.loads((folder / "training.json").read_text())
+    record["acceptance"] = acc
+    line = f"python -m tools.fixture_training.qwen4_exp acceptance {args.folder} --stage STAGE"
+    record["commands"] = [c for c in record["commands"] if " acceptance " not in c] + [line]
+    (folder / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    from tools.fixture_training.qwen4_exp.check import rewrite_readme
+
+    rewrite_readme(folder, record)
+    print(f"recorded in {folder / 'training.json'} and README.md")
+
+
 # ---------------------------------------------------------------------------------------------
 # acceptance (torch)
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +236,23 @@ def broken_heads(head):
                     m.weight += sign
         return lambda: shift(-1.0)
 
-    return [("fc_halves_swapped", swap), ("head_norms_shifted_plus_one", shift)]
+    def roll_streams():
+        # the backbone's hc streams reach the head one place round (stream k read as stream k+1): what a converter
+        # that reorders the streams' axis of the head's inputs amounts to
+        plain, hc = head.forward, head.config.hc_count
+
+        def forward(next_embeddings, hidden):
+            streams = hidden.unflatten(-1, (hc, -1)).roll(1, dims=-2).flatten(-2)
+            return plain(next_embeddings, streams)
+
+        head.forward = forward
+
+        def undo():
+            del head.forward
+        return undo
+
+    return [("fc_halves_swapped", swap), ("head_norms_shifted_plus_one", shift),
+            ("input_streams_rolled", roll_streams)]
 
 
 def acceptance(lm, head, held: np.ndarray, eot: int = 0, prompt: int = 64, generate: int = 64,
@@ -224,7 +266,8 @@ def acceptance(lm, head, held: np.ndarray, eot: int = 0, prompt: int = 64, gener
     teacher_forced  every 128-token held-out window: share of positions t where the head's argmax (h_t and the true
                     token t+1) equals the backbone's argmax at t+1; the training log's "agree"
     broken          the greedy measurement with the head as a broken conversion leaves it: fc_embedding and
-                    fc_hidden swapped, every RMS norm of the head shifted by +1 (mlx-vlm adds the 1 itself)
+                    fc_hidden swapped, every RMS norm of the head shifted by +1 (mlx-vlm adds the 1 itself), the
+                    backbone's hc streams fed to the head one place round
     """
     t0 = time.time()
     prompts = greedy_prompts(held, eot, prompt, per_file)

@@ -19,7 +19,10 @@ def measured(record: dict) -> str:
     text = (f"In torch on held-out text (`acceptance` in training.json says how) the head accepts "
             f"{acc['greedy']:.0%} of greedy drafts (one draft a step; {acc['teacher_forced']:.0%} teacher-forced); "
             f"with `fc_embedding` and `fc_hidden` swapped it accepts {acc['broken']['fc_halves_swapped']['greedy']:.0%}, "
-            f"with its norms shifted by +1 {acc['broken']['head_norms_shifted_plus_one']['greedy']:.0%}.")
+            f"with its norms shifted by +1 {acc['broken']['head_norms_shifted_plus_one']['greedy']:.0%}")
+    rolled = acc["broken"].get("input_streams_rolled")
+    text += (f", with the backbone's hyper-connection streams fed to it one place round {rolled['greedy']:.0%}."
+             if rolled else ".")
     ours = record.get("acceptance_mtpconvert")
     if ours:
         text += (" Converted, mtpconvert's smoke (its default prompts) accepts "
@@ -61,7 +64,8 @@ hashing buffers, zero-centred norms, conv1d `[C, 1, K]`; `mtp.*` in the last sha
 its attention is dense there; the indexers were not trained (their selection has no gradient).
 
 {measured(record)} Swapped input projections or norms shifted throughout collapse the acceptance; the head's
-norms alone shifted by +1 cost only a few points, so acceptance does not catch that conversion on this fixture.
+norms alone shifted by +1, or its input streams reordered, lower it far less (the torch numbers above), so
+acceptance does not catch those conversions on this fixture.
 
 ## Licence of the training text
 
