@@ -19,8 +19,8 @@ export writes the raw release layout: ``Qwen4ExpForConditionalGeneration.save_pr
 untrained one-block vision tower included), ``mtp.*`` in the last shard, bf16 but the int64 n-gram hashing buffers;
 it reads the folder back through ``from_pretrained`` and measures the head's acceptance in torch (greedy, teacher-
 forced, three broken heads) into training.json and README.md; acceptance measures a written folder again. check
-converts the folder with ``mtpconvert convert`` (float32 and 4-bit), runs our smoke on it and on the conversions ``broken.py`` makes, and mlx-vlm's drafter on
-``OUT/mtp``; it records those numbers too.
+converts the folder with ``mtpconvert convert`` (float32 and 4-bit), runs our smoke on it and on the conversions
+``broken.py`` makes, and mlx-vlm's drafter on ``OUT/mtp``; it records those numbers too.
 
 To make the folder again (the shipped one: 330 s of training on one H200, ``--device cuda``; the same command
 with ``--device cpu --threads 2 --steps 3594`` trains the same number of steps on a CPU, far more slowly):

@@ -1,4 +1,5 @@
-"""The qwen4_exp fixture's command line: ``python -m tools.fixture_training.qwen4_exp train|export|acceptance|check``."""
+"""The qwen4_exp fixture's command line:
+``python -m tools.fixture_training.qwen4_exp train|export|acceptance|check``."""
 
 from __future__ import annotations
 

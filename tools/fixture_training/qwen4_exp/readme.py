@@ -18,7 +18,8 @@ def measured(record: dict) -> str:
     acc = record["acceptance"]
     text = (f"In torch on held-out text (`acceptance` in training.json says how) the head accepts "
             f"{acc['greedy']:.0%} of greedy drafts (one draft a step; {acc['teacher_forced']:.0%} teacher-forced); "
-            f"with `fc_embedding` and `fc_hidden` swapped it accepts {acc['broken']['fc_halves_swapped']['greedy']:.0%}, "
+            f"with `fc_embedding` and `fc_hidden` swapped it accepts "
+            f"{acc['broken']['fc_halves_swapped']['greedy']:.0%}, "
             f"with its norms shifted by +1 {acc['broken']['head_norms_shifted_plus_one']['greedy']:.0%}")
     rolled = acc["broken"].get("input_streams_rolled")
     text += (f", with the backbone's hyper-connection streams fed to it one place round {rolled['greedy']:.0%}."
@@ -42,7 +43,7 @@ def measured(record: dict) -> str:
 def write_readme(out: Path, record: dict, manifest: dict, n_params: float) -> None:
     a = record["training"]["args"]
     held = ", ".join(f["path"] for f in manifest["heldout_files"])
-    script_note = ("`python -m tools.fixture_training.qwen4_exp` (this repository: `tools/fixture_training/qwen4_exp/`)")
+    script_note = "`python -m tools.fixture_training.qwen4_exp` (this repository: `tools/fixture_training/qwen4_exp/`)"
     method = readme_method(record, script_note, "python -m tools.fixture_training.qwen4_exp", hidden_args=("out",))
     text = f"""# text-qwen4_exp-mtp
 
