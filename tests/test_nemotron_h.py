@@ -291,9 +291,10 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, name
 
 def test_batched_decoding_is_refused_with_the_reason(converted):
     from mtpconvert.api import bench
+    from mtpconvert.options import BenchOptions
 
     with pytest.raises(OptionsError, match="--concurrency: batched MTP does not run the nemotron_h family"):
-        bench(converted["float"], concurrency=[1, 2], max_tokens=4)
+        bench(converted["float"], BenchOptions(concurrency=(1, 2), max_tokens=4))
 
 
 def test_in_model_layout_is_refused_naming_the_option(raw):
