@@ -1,19 +1,14 @@
 """How the runtime drives a deepseek_v4 backbone as mlx-vlm 0.7.10 builds it (``models/deepseek_v4``).
 
-The model runs as mlx-vlm runs it: ``forward`` is its own language model asked for the hidden state its drafter
-reads (``return_hidden``: the hc streams after the last layer, before ``hc_head`` and ``norm``,
-``language.py:1140-1163``); ``hc_head``, ``norm`` and ``lm_head`` make the logits (``readout``, ``project``), through
-mlx-vlm's own projection helper, whose short blocks reduce as single tokens do (so a verify pass scores its tokens
-as one-token decoding does). A pass is undone with mlx-vlm's speculative cache transaction
-(``speculative/cache_state.py``): its rotating caches replay the accepted keys, its pooling caches (the compressed
-attention's and the indexer's) restore their windows and keep the accepted ones.
+Loaded, run and undone as every mlx-vlm backbone is (``runtime.vlm_backbone``): the hidden state the drafter reads
+is the hc streams after the last layer, before ``hc_head`` and ``norm`` (``language.py:1140-1163``); ``hc_head``,
+``norm`` and ``lm_head`` make the logits (``readout``, ``project``), through mlx-vlm's own projection helper, whose
+short blocks reduce as single tokens do (so a verify pass scores its tokens as one-token decoding does). The
+speculative transaction's rotating caches replay the accepted keys, its pooling caches (the compressed attention's
+and the indexer's) restore their windows and keep the accepted ones.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,75 +16,15 @@ from mlx_vlm.models.base import create_attention_mask
 from mlx_vlm.models.cache import CacheList, PoolingCache, RotatingKVCache
 from mlx_vlm.models.deepseek_v4.language import DeepseekV4Block, SparseCompressedAttention
 from mlx_vlm.models.linear import linear
-from mlx_vlm.speculative.cache_state import start_speculative_cache
 
-from ...families.base import Family
-from ...runtime.backbone import Backbone
+from ...runtime.vlm_backbone import VlmBackbone
 from .head import DeepseekV4Head
 
 
-class UndoableCaches(list):
-    """mlx-vlm's caches of one sequence, with a speculative transaction over each pass of at most ``max_pass``
-    tokens (``DeepseekV4Backbone.forward`` starts it, ``rollback`` commits the kept prefix)."""
-
-    def __init__(self, caches: list, max_pass: int):
-        super().__init__(caches)
-        self.max_pass = max_pass
-        self.transaction = None
-
-
-class DeepseekV4Backbone(Backbone):
-    @classmethod
-    def load(cls, path: Path, family: Family, lazy: bool = False) -> "DeepseekV4Backbone":
-        from mlx_vlm.utils import load_model
-
-        path = Path(path)
-        return cls(load_model(path, lazy=lazy), family, json.loads((path / "config.json").read_text()))
-
-    @classmethod
-    def shell(cls, path: Path, family: Family) -> "DeepseekV4Backbone":
-        """The model as mlx-vlm's ``load_model`` builds it before it loads weights (``utils.py:363-460``)."""
-        from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
-
-        path = Path(path)
-        config = load_config(path)
-        model_class, _ = get_model_and_args(config=config, model_path=path)
-        built = {"text_config": {}, "vision_config": {}, "audio_config": {}, **config}  # as the loader fills it in
-        model_config = model_class.ModelConfig.from_dict(built)
-        model_config = update_module_configs(model_config, model_class, built,
-                                             ["text", "vision", "perceiver", "projector", "audio"])
-        return cls(model_class.Model(model_config), family, config)
-
-    def sanitize(self, weights):
-        """What mlx-vlm's loader does to stored weights: the model's sanitize, then its language model's."""
-        from mlx_vlm.utils import sanitize_weights
-
-        weights = sanitize_weights(self.model, weights)
-        return sanitize_weights(type(self.text), weights, self.args)
-
-    @property
-    def text(self) -> nn.Module:
-        return self.model.language_model
-
-    @property
-    def args(self):
-        return self.text.args
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.hidden_size
-
-    @property
-    def rms_norm_eps(self) -> float:
-        return self.args.rms_norm_eps
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
+class DeepseekV4Backbone(VlmBackbone):
     @property
     def tied(self) -> bool:
-        return False
+        return False  # its own lm_head (the release's head.weight)
 
     # a token's path: the embedding copied onto every hyper-connection stream, the blocks, no close (the head reads
     # the streams), hc_head and norm, lm_head
@@ -119,17 +54,6 @@ class DeepseekV4Backbone(Backbone):
     def project(self, z: mx.array) -> mx.array:
         return linear(self.text.lm_head, z)
 
-    def __call__(self, tokens: mx.array, cache: Optional[list] = None) -> mx.array:
-        return self.text(tokens, cache=cache).logits
-
-    def forward(self, tokens: mx.array, cache: list) -> Tuple[Optional[mx.array], mx.array]:
-        if isinstance(cache, UndoableCaches) and tokens.shape[1] <= cache.max_pass:
-            if cache.transaction is not None:
-                cache.transaction.commit(cache.transaction.length)
-            cache.transaction = start_speculative_cache(cache, tokens.shape[1])
-        out = self.text(tokens, cache=cache, return_hidden=True, skip_logits=True)
-        return None, out.hidden_states[0]
-
     def new_layer(self, index: int) -> nn.Module:
         return DeepseekV4Block(self.args, index)
 
@@ -144,18 +68,6 @@ class DeepseekV4Backbone(Backbone):
         pools = (PoolingCache(ratio), PoolingCache(ratio)) if isinstance(layer.attn, SparseCompressedAttention) \
             else (PoolingCache(ratio),)
         return CacheList(local, *pools)
-
-    def make_cache(self) -> list:
-        return self.text.make_cache()
-
-    def rollback_cache(self, max_pass: int) -> list:
-        return UndoableCaches(self.make_cache(), max_pass)
-
-    def rollback(self, cache: list, keep: int, length: int) -> None:
-        if not isinstance(cache, UndoableCaches) or cache.transaction is None:
-            raise ValueError("the last pass was not recorded (longer than max_pass, or not an undoable cache)")
-        cache.transaction.commit(keep)
-        cache.transaction = None
 
     def attention_cache(self, cache: list):
         """The first block's sliding-window cache: its offset is the tokens the model has seen."""

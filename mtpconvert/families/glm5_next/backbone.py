@@ -18,18 +18,20 @@ position, the sparse attention's latent, index and pooled-key caches trimmed). W
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.glm5_next.language import DecoderLayer
 
-from ..qwen4_exp.backbone import Qwen4ExpBackbone, UndoableCaches
+from ..qwen4_exp.backbone import Qwen4ExpBackbone
 from .head import Glm5NextHead, head_weights
 
 
 class Glm5NextBackbone(Qwen4ExpBackbone):
     """mlx-vlm's glm5_next model by role (module doc); loading and undoing as qwen4_exp's."""
+
+    hidden_state_index = -1  # the last of them: what its drafter reads
 
     def __init__(self, model: nn.Module, family, config: dict):
         super().__init__(model, family, config)
@@ -68,16 +70,6 @@ class Glm5NextBackbone(Qwen4ExpBackbone):
 
     def readout(self, hidden: mx.array) -> mx.array:
         return hidden
-
-    def forward(self, tokens: mx.array, cache: list) -> Tuple[Optional[mx.array], mx.array]:
-        if isinstance(cache, UndoableCaches) and tokens.shape[1] <= cache.max_pass:
-            if cache.transaction is not None:
-                cache.transaction.commit(cache.transaction.length)
-            from mlx_vlm.speculative.cache_state import start_speculative_cache
-
-            cache.transaction = start_speculative_cache(cache, tokens.shape[1])
-        out = self.text(tokens, cache=cache, return_hidden=True, skip_logits=True)
-        return None, out.hidden_states[-1]
 
     def new_layer(self, index: int) -> nn.Module:
         return DecoderLayer(self.args, index)
