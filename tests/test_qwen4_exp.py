@@ -198,3 +198,18 @@ def test_families_lists_qwen4_exp():
     (family,) = [f for f in api.families() if f["family"] == "qwen4_exp"]
     assert family["backbone_library"] == "mlx-vlm" and family["backbone_modules"] == ["mlx_vlm.models.qwen4_exp"]
     assert set(family["head_runtimes"]) == {"mlx-vlm", "mlx-vlm-drafter"}
+
+
+def test_batched_decoding_is_refused_with_the_reason(converted):
+    """Its caches (mlx-vlm's, undone by a speculative transaction) have no per-row twins: `bench --concurrency`
+    names the option, and the engine refuses before touching a cache."""
+    from mtpconvert.errors import OptionsError
+    from mtpconvert.options import BenchOptions
+    from mtpconvert.runtime.decoding.batched import Stream, run_batch
+    from mtpconvert.runtime.decoding.load import load
+
+    folder = converted["per-expert", "float32"]
+    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the qwen4_exp family"):
+        api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
+    with pytest.raises(ValueError, match=r"batched MTP does not run the qwen4_exp family"):
+        run_batch(load(folder), [Stream(IDS[:8], 4)], 1, "mtp")

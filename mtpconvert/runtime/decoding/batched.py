@@ -41,7 +41,7 @@ import mlx.core as mx
 
 from .draft_policy import DraftPolicy
 from .load import MTPModel
-from .rowcache import RowKVCache, undo_rows
+from .rowcache import RowKVCache, row_caches_like, undo_rows
 from .rows import StepLog, Stream, choose, decide, draw_key, emit, processed, processed_positions, simple
 from .sampling import categorical
 from .speculative import DecodeStats, linear_states, prepare_speculative
@@ -119,7 +119,7 @@ class BatchedMTP:
             s.first_token_s = now
         if self.cache is None:
             self.cache = cache
-            self.head_cache = [RowKVCache([]) for _ in m.head.layers]
+            self.head_cache = row_caches_like(m.head.make_cache(), 0)  # the head's attention kind, per row
         else:
             for mine, new in zip(self.cache, cache):
                 mine.extend(new)
