@@ -22,7 +22,7 @@ A plain step followed by another plain step over the same rows is pipelined as i
 ``BatchGenerator``: the next step's graph is built from this step's lazy tokens and started before
 this step's tokens are read (``step(ahead=True)``). Every pass takes one of few shapes (the
 caches' key windows, ``head_passes``), since MLX's CUDA backend builds a cuDNN graph per shape;
-``warm_up`` runs each once.
+``calibration.warm_up`` runs each once.
 
 Random draws are keyed by (stream seed, output position, purpose) only, so a row's draws do not
 depend on the other rows, on when it joined, or on how the steps were cut.
@@ -314,25 +314,6 @@ class PlainStep:
     def rows(self, keep: Sequence[int]) -> "PlainStep":
         idx = mx.array(list(keep))
         return PlainStep(self.tokens[idx], self.h[idx])
-
-
-def warm_up(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm") -> List[StepLog]:
-    """Run, once, every pass shape a batch of 1 .. ``rows`` rows meets while decoding (prefill
-    aside): per batch size, the head's catch-up passes (``CATCH_UP``), its normal pass (depth + 1)
-    and chained drafts (1), the verify pass (depth + 1), and pipelined plain steps (1), all within
-    the first attention window. On a backend that compiles per shape (MLX CUDA: a cuDNN graph per
-    attention and per convolution shape) the decode that follows then compiles nothing, whatever
-    its mix of drafting and plain steps and however rows leave. Returns the steps' logs."""
-    log: List[StepLog] = []
-    prompt = list(range(1, CATCH_UP + 2))  # the first draft catches up over 2 passes
-    for B in range(1, rows + 1):
-        engine = BatchedMTP(m, depth, hidden)
-        engine.add_many([Stream(list(prompt), 1 << 30, seed=r) for r in range(B)], list(range(B)))
-        for draft, ahead in ((True, False), (True, False), (False, True), (False, False), (True, False), (True, False)):
-            engine.step(draft, ahead=ahead)
-        mx.eval([c.state for c in engine.cache + engine.head_cache])
-        log.extend(engine.log)
-    return log
 
 
 def run_batch(

@@ -1,12 +1,36 @@
-"""When the batched engine drafts: ``DraftPolicy``, its "auto" mode (``batched.run_batch``)."""
+"""When the batched engine drafts: ``DraftPolicy``, its "auto" mode (``batched.run_batch``), and the
+``Calibration`` it can start from (``calibration.calibrate``: both kinds timed per batch size before decoding)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
-from typing import Deque, Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
 
 from .rows import StepLog
+
+SD_FLOOR = 0.3  # the least spread assumed of the drafts a row keeps per step (a few steps can all agree)
+
+
+@dataclass
+class Calibration:
+    """Step costs timed before decoding: per (batch size, drafted) the seconds of the steady steps, as
+    ``DraftPolicy.observe`` times a step (``DraftPolicy.timeable``). Kept per model and depth by its caller (a
+    server, the bench) and given to every ``DraftPolicy`` it makes for them."""
+
+    depth: int
+    seconds: Dict[Tuple[int, bool], List[float]] = field(default_factory=dict)
+    wall_s: float = 0.0  # how long calibrating took
+
+    def add(self, record: StepLog) -> None:
+        if DraftPolicy.timeable(record, self.depth):
+            self.seconds.setdefault((len(record.streams), record.drafted), []).append(record.seconds)
+
+    def to_json(self) -> dict:
+        return {f"B={b},{'draft' if d else 'plain'}": round(1e3 * statistics.median(t), 3)
+                for (b, d), t in sorted(self.seconds.items())}
 
 
 class DraftPolicy:
@@ -56,12 +80,16 @@ class DraftPolicy:
     """
 
     def __init__(self, budget: float = 0.03, min_interval: int = 16, accept_window: int = 64, window: int = 8,
-                 probe_steps: int = 3, catch_up_window: int = 4):
-        self.budget, self.min_interval = budget, min_interval
+                 probe_steps: int = 3, catch_up_window: int = 4, calibration: Optional[Calibration] = None,
+                 optimism: float = 1.0):
+        self.budget, self.min_interval, self.optimism = budget, min_interval, optimism
+        self.calibration = calibration
         self.accepted: Deque[int] = deque(maxlen=accept_window)  # drafts kept, per drafting row-step
         self.window, self.probe_steps = window, probe_steps
         self.timed: Dict[Tuple[int, bool], Deque[float]] = {}
         self.tokens_per_row: Optional[float] = None
+        self.seen = 0  # drafting row-steps observed, all told
+        self.least_seen = accept_window // 4  # drafting row-steps a calibrated policy observes before giving up on it
         self.decisions = 0
         self.winner: Optional[bool] = None  # the kind predicted faster at the last decision
         self.probing = 0  # probe steps still to choose
@@ -73,6 +101,10 @@ class DraftPolicy:
         self.last_probe = 0  # decision count when the last probe started
         self.probes = 0  # probes started
         self.previous: Optional[bool] = None  # the kind of the last step observed
+        if calibration is not None and calibration.seconds:  # the calibration took the first timings
+            for key, times in calibration.seconds.items():
+                self.timed[key] = deque(times[-window:], maxlen=window)
+            self.first_steps = None
 
     step_cost = staticmethod(statistics.median)  # of a kind's last timed steps (see the class)
 
@@ -117,7 +149,7 @@ class DraftPolicy:
         if not drafting:
             return False
         costs = self.costs(B)
-        rates = self._rates(B, drafting, costs)
+        rates = self._rates(B, drafting, costs, self.bound(engine.depth))
         if rates is None:  # the first timings: drafting's, then plain's
             return self.seconds(B, True) is None or self.tokens_per_row is None
         self.decisions += 1
@@ -134,6 +166,22 @@ class DraftPolicy:
             self.probes += 1
             return not better
         return better
+
+    def bound(self, depth: int) -> Optional[float]:
+        """Tokens a drafting row emits per step, as the decisions take it: an upper confidence bound, the mean
+        of the drafts kept over the window plus ``optimism`` spreads over the root of every drafting row-step
+        seen (so the bonus fades as drafting is observed, where the window's own error would keep favouring
+        drafting at a near tie for good); at most 1 + depth. Until ``least_seen`` drafting row-steps were seen
+        it is 1 + depth once calibrated (drafting is tried first wherever it could win: its own steps are what
+        measures it, while plain's cost is known; a few rows' first steps are too few to give it up on: at 4
+        rows keeping 0.8 of their drafts, 2 steps keep half or fewer one time in 20), None otherwise (the
+        first timings)."""
+        n = len(self.accepted)
+        if not n or (self.calibration is not None and self.seen < self.least_seen):
+            return None if self.calibration is None else 1.0 + depth
+        mean = sum(self.accepted) / n
+        spread = max(statistics.pstdev(self.accepted), SD_FLOOR) if n > 1 else SD_FLOOR
+        return min(1.0 + depth, 1.0 + mean + self.optimism * spread / math.sqrt(self.seen))
 
     def could_draft(self, engine, costs: Tuple[float, float]) -> bool:
         """Whether drafting would win with every draft kept (1 + depth tokens a drafting row) at ``costs``
@@ -152,18 +200,24 @@ class DraftPolicy:
         per_pair = statistics.median(self.catch_up) * costs[1]
         return self.probe_loss - self.probe_catch_up + per_pair * max(pending - engine.depth - 1, 0)
 
+    @staticmethod
+    def timeable(record: StepLog, depth: int) -> bool:
+        """Whether a step's time is a step cost of its kind (the class doc says which are not)."""
+        return record.head_width <= depth + 1 and not record.after_join and record.steady
+
     def observe(self, engine, record: StepLog) -> None:
         B = len(record.streams)
-        if record.head_width <= engine.depth + 1 and not record.after_join and record.steady:
+        if self.timeable(record, engine.depth):
             times = self.timed.setdefault((B, record.drafted), deque(maxlen=self.window))
             times.append(record.seconds)
         kept = [a for a in record.accepted if a >= 0]
         if record.drafted and kept:
             self.accepted.extend(kept)
+            self.seen += len(kept)
             self.tokens_per_row = 1 + sum(self.accepted) / len(self.accepted)
         drafting = sum(a >= 0 for a in record.accepted) or B
         costs = self.costs(B)
-        rates = self._rates(B, drafting, costs)
+        rates = self._rates(B, drafting, costs, self.tokens_per_row or self.bound(engine.depth))
         # a step after a join reads the new prompts: its cost is the join's, not a switch's
         switched = self.previous is not None and self.previous != record.drafted and not record.after_join
         self.previous = record.drafted
@@ -202,4 +256,5 @@ class DraftPolicy:
                                    for (b, d), t in costs.items() if t is not None},
                 "policy_tokens_per_row": None if self.tokens_per_row is None else round(self.tokens_per_row, 3),
                 "policy_probes": self.probes,
+                "policy_calibration_ms": None if self.calibration is None else self.calibration.to_json(),
                 "policy_catch_up_per_pair": round(statistics.median(self.catch_up), 4) if self.catch_up else None}
