@@ -53,6 +53,8 @@ def test_calibrate_times_both_kinds_at_every_batch_size(dense):  # noqa: F811
     cal = calibrate(m, 2, 3, steps=2)
     assert sorted(cal.seconds) == [(b, d) for b in (1, 2, 3) for d in (False, True)]
     assert all(len(t) == 4 and min(t) > 0 for t in cal.seconds.values()) and cal.wall_s > 0
+    # each round's first plain step after drafting and first drafting step after plain, at every size
+    assert sorted(cal.switch) == sorted(cal.seconds) and all(len(t) == 2 for t in cal.switch.values())
     policy = DraftPolicy(calibration=cal)
     assert policy.costs(3) is not None and policy.first_steps is None and set(policy.to_json()["policy_calibration_ms"])
     assert policy.bound(2) == 3.0  # no draft seen: every draft kept
@@ -78,6 +80,24 @@ def test_a_calibrated_policy_drafts_from_the_first_step_where_drafting_wins():
         assert chosen[:4] == [True] * 4, run
         shares.append(sum(chosen) / len(chosen))
     assert statistics.median(shares) > 0.8, sorted(shares)
+
+
+def test_the_calibrated_switch_cost_defers_the_first_probe():
+    """27B-shaped at 4 rows as on the H200: the first plain step after drafting took 238 ms against 62 steady.
+    With that switch in the calibration the budget owes a probe's predicted loss from the start, so a 64-token
+    decode runs no probe (plain steps only where the drafts kept fall short); with no switch seen the first
+    probe comes as soon as ``min_interval`` allows."""
+    switch = {(4, False): [0.238], (4, True): [0.110]}
+    for run in range(20):
+        cal = calibrated(0.062, 0.106)
+        cal.switch = dict(switch)
+        policy = DraftPolicy(calibration=cal)
+        _, chosen = decode(policy, 4, 0.062, 0.106, 0.8, 64, random.Random(run))
+        assert policy.probes == 0 and chosen[:20] == [True] * 20, (run, chosen)
+    probed = [DraftPolicy(calibration=calibrated(0.062, 0.106)) for _ in range(20)]
+    for run, policy in enumerate(probed):
+        decode(policy, 4, 0.062, 0.106, 0.8, 64, random.Random(run))
+    assert sum(p.probes > 0 for p in probed) >= 10
 
 
 def test_a_calibrated_policy_stops_drafting_soon_where_the_acceptance_is_too_low():

@@ -73,7 +73,7 @@ def calibrate(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm", ste
                     engine.step(False, ahead=i <= steps)
                 for _ in range(steps + 1):
                     engine.step(True)
-            for record in engine.log[timed_from:]:
-                cal.add(record)
+            for previous, record in zip(engine.log[timed_from - 1:], engine.log[timed_from:]):
+                cal.add(record, previous)
     cal.wall_s = time.perf_counter() - t0
     return cal

@@ -22,15 +22,30 @@ class Calibration:
 
     depth: int
     seconds: Dict[Tuple[int, bool], List[float]] = field(default_factory=dict)
+    # per (batch size, drafted) the seconds of a kind's first step after a step of the other kind: the way
+    # into a probe and back out of it (a plain step's graphs built anew, a drafting step's catch-up)
+    switch: Dict[Tuple[int, bool], List[float]] = field(default_factory=dict)
     wall_s: float = 0.0  # how long calibrating took
 
-    def add(self, record: StepLog) -> None:
+    def add(self, record: StepLog, previous: Optional[StepLog] = None) -> None:
+        key = (len(record.streams), record.drafted)
         if DraftPolicy.timeable(record, self.depth):
-            self.seconds.setdefault((len(record.streams), record.drafted), []).append(record.seconds)
+            self.seconds.setdefault(key, []).append(record.seconds)
+        elif (previous is not None and previous.drafted != record.drafted and not record.after_join
+              and len(previous.streams) == len(record.streams)):
+            self.switch.setdefault(key, []).append(record.seconds)
+
+    def switch_extra(self, B: int, drafted: bool) -> float:
+        """Seconds a kind's first step after the other kind takes beyond its steady step at batch size B
+        (0 where calibrating saw none)."""
+        key = (B, drafted)
+        if not self.switch.get(key) or not self.seconds.get(key):
+            return 0.0
+        return max(statistics.median(self.switch[key]) - statistics.median(self.seconds[key]), 0.0)
 
     def to_json(self) -> dict:
-        return {f"B={b},{'draft' if d else 'plain'}": round(1e3 * statistics.median(t), 3)
-                for (b, d), t in sorted(self.seconds.items())}
+        return {f"B={b},{'draft' if d else 'plain'}{' switch' if switch else ''}": round(1e3 * statistics.median(t), 3)
+                for switch, times in ((False, self.seconds), (True, self.switch)) for (b, d), t in sorted(times.items())}
 
 
 class DraftPolicy:
@@ -149,11 +164,14 @@ class DraftPolicy:
         if not drafting:
             return False
         costs = self.costs(B)
-        rates = self._rates(B, drafting, costs, self.bound(engine.depth))
+        tokens_per_row = self.bound(engine.depth)
+        rates = self._rates(B, drafting, costs, tokens_per_row)
         if rates is None:  # the first timings: drafting's, then plain's
             return self.seconds(B, True) is None or self.tokens_per_row is None
         self.decisions += 1
         better = rates[0] > rates[1]
+        if self.decisions == 1 and self.calibration is not None:
+            self.probe_loss = self.calibrated_probe_loss(B, drafting, better, costs, tokens_per_row)
         if better != self.winner:  # a new winner: what was spent so far was exploring it
             self.winner, self.since_probe, self.probing = better, 0.0, 0
         if self.probing:
@@ -182,6 +200,22 @@ class DraftPolicy:
         mean = sum(self.accepted) / n
         spread = max(statistics.pstdev(self.accepted), SD_FLOOR) if n > 1 else SD_FLOOR
         return min(1.0 + depth, 1.0 + mean + self.optimism * spread / math.sqrt(self.seen))
+
+    def calibrated_probe_loss(self, B: int, drafting: int, drafting_wins: bool, costs: Tuple[float, float],
+                              tokens_per_row: float) -> float:
+        """What a probe of the loser is predicted to lose, from the calibration, before any was run: its
+        ``probe_steps`` steps against the winner's rate for the same tokens, and the extra of the first
+        step into the probe and of the first step back (``Calibration.switch_extra`` of both kinds). The
+        budget pays this before the first probe, as it pays a measured probe's loss before the next (with no
+        debt a calibrated policy would probe as soon as ``min_interval`` allows: in a 64-token decode of the
+        27B shape at 4 rows on the H200 that probe, its first plain step 3.7 plain steps long, cost 4%)."""
+        winner_rate = max(self._rates(B, drafting, costs, tokens_per_row))
+        if drafting_wins:
+            loser_cost, loser_tokens = costs[1], B
+        else:
+            loser_cost, loser_tokens = costs[0], drafting * tokens_per_row + B - drafting
+        steps = self.probe_steps * max(loser_cost - loser_tokens / winner_rate, 0.0)
+        return steps + self.calibration.switch_extra(B, True) + self.calibration.switch_extra(B, False)
 
     def could_draft(self, engine, costs: Tuple[float, float]) -> bool:
         """Whether drafting would win with every draft kept (1 + depth tokens a drafting row) at ``costs``
