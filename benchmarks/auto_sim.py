@@ -16,7 +16,8 @@ two graphs before it waits); rows leave as they finish. Decoders:
                         untimed decode and kept, as the oracle bench ran it, every (B, kind) the process has not
                         run before costing ``--compile-ms`` once (the bench did not warm the shapes up);
 ``auto``                ``DraftPolicy(calibration=...)`` on its first decode: the calibration's step costs
-                        drawn at each B 1..C, ``--cal-bias`` times the decode's (a shorter context), 8 per kind;
+                        drawn at each B 1..C, ``--cal-bias`` times the decode's (a shorter context), 8 per kind,
+                        and one first step of each kind after the other;
 ``auto, kept``          the same policy on its second decode.
 
 Prints tok/s (mean over ``--runs`` runs) and auto / best fixed: the ratio of the means, and the 10th percentile
@@ -125,6 +126,9 @@ class Sim:
         for B in range(1, C + 1):
             for drafted in (False, True):
                 cal.seconds[(B, drafted)] = [self.noisy(self.cost(B, drafted)) * self.args.cal_bias for _ in range(8)]
+            plain = self.cost(B, False)  # the first step of each kind after the other, as the decode pays it
+            cal.switch[(B, False)] = [self.noisy(plain * (1 + self.args.switch_plain)) * self.args.cal_bias]
+            cal.switch[(B, True)] = [self.noisy(self.cost(B, True) + self.args.switch_draft * plain) * self.args.cal_bias]
         return cal
 
 
