@@ -18,7 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
-from mtpconvert.runtime.decoding.batched import DraftPolicy, Stream, run_batch, warm_up
+from mtpconvert.runtime.decoding.batched import DraftPolicy, Stream, run_batch
+from mtpconvert.runtime.decoding.calibration import warm_up
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.sampling import Sampling
 from mtpconvert.runtime.measure.batch_bench import engine_decode

@@ -167,14 +167,16 @@ def stage_batched(args, m, ids) -> dict:
                 f"{d['mtp']['aggregate_tok_per_s']} tok/s, speedup {r['speedup_mtp']} (pred {r['predicted_speedup']}),"
                 f" β {r['costs']['beta']} δ {r['costs']['delta']}, accept {d['mtp']['acceptance_by_stream']}; auto "
                 f"{d['auto']['aggregate_tok_per_s']} tok/s ({d['auto']['drafted_steps']}/{d['auto']['steps']} drafted), "
-                f"auto / best {r['auto_vs_best']}, policy {d['auto']['policy_step_ms']} "
+                f"auto / best {r['auto_vs_best']} (paired {r.get('auto_vs_best_paired')}), plain / BatchGenerator "
+                f"paired {r.get('plain_vs_batchgen_paired')}, calibration {r['calibration_s']} s "
+                f"{d['auto']['policy_calibration_ms']}, policy {d['auto']['policy_step_ms']} "
                 f"tokens/row {d['auto']['policy_tokens_per_row']} ({time.perf_counter() - start:.0f} s)")
             done.append(r)
             _write(args, "batched.json", dict(out, runs=out["runs"] + [{"kernel": label, "rows": done, "partial": True}]))
 
         j = _timed(label, lambda: bench_concurrency_oracle(m, f"synthetic:{args.model}", ids, args.concurrency,
                                                            args.oracle, max_tokens=args.max_tokens,
-                                                           depths=args.depth, on_row=on_row))
+                                                           depths=args.depth, on_row=on_row, rounds=args.rounds))
         out["runs"].append(j)
         _write(args, "batched.json", out)
     return out
@@ -198,6 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, action="append", help="MTP depth (repeat); default 1")
     ap.add_argument("--oracle", type=float, action="append", help="oracle acceptance P (repeat); default 0.6 0.8 0.9")
     ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--rounds", type=int, default=1, help="batched stage: timed runs per decoder (balanced order)")
     ap.add_argument("--cuda-qmv", choices=["off", "on", "both"], default="both", help="single stage")
     ap.add_argument("--batched-cuda-qmv", choices=["off", "on", "both"], default="off")
     ap.add_argument("--kernel-rows", default="1,2,3,4,8")

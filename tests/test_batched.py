@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from tests.checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.smoke.decode import divergence
-from mtpconvert.runtime.decoding import batched, draft_policy
+from mtpconvert.runtime.decoding import batched, calibration, draft_policy
 from mtpconvert.runtime.decoding.batched import Stream, run_batch
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.rowcache import RowKVCache
@@ -161,7 +161,7 @@ def test_warm_up_visits_every_pass_shape(dense, depth):
     """``warm_up`` runs, per batch size 1 .. rows, a catch-up (head passes of CATCH_UP), a normal
     drafting step (head pass of depth + 1), and a pipelined plain step: every shape a decode meets."""
     m, _ = dense
-    log = batched.warm_up(m, depth, 3)
+    log = calibration.warm_up(m, depth, 3)
     for B in (1, 2, 3):
         steps = [r for r in log if len(r.streams) == B]
         assert any(r.drafted and r.head_width > batched.CATCH_UP for r in steps)  # 2 catch-up passes

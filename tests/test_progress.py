@@ -33,7 +33,7 @@ def prompt_args(n: int = 2):
     (["smoke", "--max-tokens", "6", *prompt_args()], "smoke: 0/36 tokens (prompt 1/2: plain greedy)"),
     (["bench", "--max-tokens", "6", "--mtp-hidden", "post-norm", *prompt_args()],
      "bench: 0/72 tokens (warm-up, prompt 1/2)"),
-    (["bench", "--max-tokens", "4", "--concurrency", "1,2", *prompt_args()], "bench: 0/16 runs (depth 1, 1 stream: "),
+    (["bench", "--max-tokens", "4", "--concurrency", "1,2", *prompt_args()], "bench: 0/14 runs (depth 1, 1 stream: "),
     (["verify", "--deep"], "verify --deep: 0/"),
 ])
 def test_progress_goes_to_stderr_and_json_stays_clean(converted, command, stage):

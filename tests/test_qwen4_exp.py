@@ -320,3 +320,18 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, opti
     full = teacher_forced_full(load(out), ids)
     assert layerwise.backbone_next == full.backbone_next
     assert layerwise.head_next == full.head_next and layerwise.head_next_without_mlp == full.head_next_without_mlp
+
+
+def test_batched_decoding_is_refused_with_the_reason(converted):
+    """Its caches (mlx-vlm's, undone by a speculative transaction) have no per-row twins: `bench --concurrency`
+    names the option, and the engine refuses before touching a cache."""
+    from mtpconvert.errors import OptionsError
+    from mtpconvert.options import BenchOptions
+    from mtpconvert.runtime.decoding.batched import Stream, run_batch
+    from mtpconvert.runtime.decoding.load import load
+
+    folder = converted["per-expert", "float32"]
+    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the qwen4_exp family"):
+        api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
+    with pytest.raises(ValueError, match=r"batched MTP does not run the qwen4_exp family"):
+        run_batch(load(folder), [Stream(IDS[:8], 4)], 1, "mtp")

@@ -229,14 +229,15 @@ def oracle_concurrency_table(result, console: Console) -> None:
     for r in result.rows:
         c = r.costs
         table.add_row(f"{r.p:g}", str(r.depth), str(r.concurrency), f"{r.batchgen.aggregate_tps:.1f}",
-                      f"{r.plain.run.aggregate_tps:.1f}", f"{r.mtp.run.aggregate_tps:.1f}", f"{r.speedup():.2f}x",
+                      f"{r.plain.aggregate_tps:.1f}", f"{r.mtp.aggregate_tps:.1f}", f"{r.speedup():.2f}x",
                       f"{r.predicted():.2f}x",
-                      f"{r.auto.run.aggregate_tps:.1f} ({r.auto.run.drafted_steps}/{r.auto.run.steps})",
+                      f"{r.auto.aggregate_tps:.1f} ({r.auto.drafted_steps}/{r.auto.steps})",
                       f"{r.auto_vs_best():.2f}", f"{c.beta:.2f} / {c.delta:.2f} / {c.rho:.2f}",
-                      " ".join(f"{a:.0%}" for a in r.mtp.run.acceptance))
+                      " ".join(f"{a:.0%}" for a in r.mtp.acceptance))
     print_whole(table, console)
     console.print("oracle-acceptance P: each greedy draft the head proposes kept with probability P, else rejected "
                   "(head, verify pass and undo run as always); speedup: MTP ÷ BatchGenerator tok/s; pred.: tokens per "
                   "row-step ÷ (β + δ + ρ × share of row-steps with a rejection), costs timed over C sequences at "
-                  "one context; auto: DraftPolicy deciding each step under the same oracle (auto / best: over the "
+                  "one context; auto: DraftPolicy deciding each step under the same oracle, its first decode after a "
+                  "calibration (auto / best: over the "
                   "fastest of BatchGenerator, plain and MTP)", style="dim")

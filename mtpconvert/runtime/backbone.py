@@ -248,3 +248,13 @@ class TextModelBackbone(Backbone):
 
     def rollback_cache(self, max_pass: int) -> list:
         return self.make_cache()  # attention caches trim: KVCache, or GLM-5's CacheList of two
+
+    def row_cache(self, max_pass: int, rows: int) -> list:
+        """Per-row twins of the library's own caches (``rowcache.row_caches_like``): attention layers only
+        (KVCache, GLM-5's CacheList of two); a recurrent layer's family gives its own."""
+        from .decoding.rowcache import row_caches_like
+
+        try:
+            return row_caches_like(self.make_cache(), rows)
+        except ValueError as e:
+            raise ValueError(f"batched MTP decoding does not run the {self.family.name} backbone: {e}") from e

@@ -389,7 +389,7 @@ def _family(model_type: str) -> Family:
         mtp_layouts=("sidecar",),
         head_prefix=HEAD_PREFIX,
         lm_head=LM_HEAD,
-        capabilities=Capabilities(batched=False, pre_norm_hidden=False),
+        capabilities=Capabilities(batched=True, pre_norm_hidden=False),
         backbone="mtpconvert.families.glm.backbone:GlmBackbone",
         compat="mtpconvert.families.glm.compat:rows",
         spec=partial(model_spec, model_type=model_type),

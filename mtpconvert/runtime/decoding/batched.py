@@ -22,7 +22,7 @@ A plain step followed by another plain step over the same rows is pipelined as i
 ``BatchGenerator``: the next step's graph is built from this step's lazy tokens and started before
 this step's tokens are read (``step(ahead=True)``). Every pass takes one of few shapes (the
 caches' key windows, ``head_passes``), since MLX's CUDA backend builds a cuDNN graph per shape;
-``warm_up`` runs each once.
+``calibration.warm_up`` runs each once.
 
 Random draws are keyed by (stream seed, output position, purpose) only, so a row's draws do not
 depend on the other rows, on when it joined, or on how the steps were cut.
@@ -41,8 +41,9 @@ import mlx.core as mx
 
 from .draft_policy import DraftPolicy
 from .load import MTPModel
-from .rowcache import RowKVCache, undo_rows
-from .rows import StepLog, Stream, choose, decide, draw_key, emit, processed, processed_positions, simple
+from .rowcache import RowKVCache, row_caches_like, undo_rows
+from .rows import (StepLog, Stream, choose, decide, draw_key, emit, pending_states, processed, processed_positions,
+                   simple)
 from .sampling import categorical
 from .speculative import DecodeStats, linear_states, prepare_speculative
 
@@ -115,11 +116,11 @@ class BatchedMTP:
             s.out = [tok]
             s.stats = DecodeStats(depth=self.depth, prompt_tokens=len(s.prompt), proposed=[0] * self.depth,
                                   accepted=[0] * self.depth, prefill_s=now - t0)
-            s.pend_h, s.pend_t = [states[self.pick][r]], s.prompt[1:] + s.out
+            s.pend_h, s.pend_t = [(states[self.pick], r, len(s.prompt))], s.prompt[1:] + s.out
             s.first_token_s = now
         if self.cache is None:
             self.cache = cache
-            self.head_cache = [RowKVCache([]) for _ in m.head.layers]
+            self.head_cache = row_caches_like(m.head.make_cache(), 0)  # the head's attention kind, per row
         else:
             for mine, new in zip(self.cache, cache):
                 mine.extend(new)
@@ -177,7 +178,7 @@ class BatchedMTP:
             mx.async_eval(self.ahead.tokens)
         tokens = current.tokens.tolist()  # the step's one host sync
         for r, (s, t) in enumerate(zip(rows, tokens)):
-            s.pend_h.append(current.h[r])
+            s.pend_h.append((current.h, r, 1))
             s.pend_t.append(t)
             emit(s, [t], -1, self.depth)
         record = self._record([-1] * len(rows), False, t0, 0)
@@ -245,7 +246,7 @@ class BatchedMTP:
         for r, s in enumerate(rows):  # the head read the old pending pairs this step
             a = accepted[r]
             new = draft_list[r][:a] + [next_list[r][a]]
-            s.pend_h, s.pend_t = [states[self.pick][r, :a + 1]], list(new)
+            s.pend_h, s.pend_t = [(states[self.pick], r, a + 1)], list(new)
             emit(s, new, a if drafting[r] else -1, k)
         return self._record([a if d else -1 for a, d in zip(accepted, drafting)], True, t0, head_width)
 
@@ -264,7 +265,7 @@ class BatchedMTP:
         counts = [len(s.pend_t) for s in rows]
         passes, width = head_passes(max(counts), k)
         total = passes * width
-        pending = [s.pend_h[0] if len(s.pend_h) == 1 else mx.concatenate(s.pend_h) for s in rows]
+        pending = [pending_states(s) for s in rows]
         hidden = mx.stack([mx.pad(h, [(0, total - n), (0, 0)]) if n < total else h for h, n in zip(pending, counts)])
         nexts = mx.array([s.pend_t + [0] * (total - n) for s, n in zip(rows, counts)])
         outs = []
@@ -315,40 +316,35 @@ class PlainStep:
         return PlainStep(self.tokens[idx], self.h[idx])
 
 
-def warm_up(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm") -> List[StepLog]:
-    """Run, once, every pass shape a batch of 1 .. ``rows`` rows meets while decoding (prefill
-    aside): per batch size, the head's catch-up passes (``CATCH_UP``), its normal pass (depth + 1)
-    and chained drafts (1), the verify pass (depth + 1), and pipelined plain steps (1), all within
-    the first attention window. On a backend that compiles per shape (MLX CUDA: a cuDNN graph per
-    attention and per convolution shape) the decode that follows then compiles nothing, whatever
-    its mix of drafting and plain steps and however rows leave. Returns the steps' logs."""
-    log: List[StepLog] = []
-    prompt = list(range(1, CATCH_UP + 2))  # the first draft catches up over 2 passes
-    for B in range(1, rows + 1):
-        engine = BatchedMTP(m, depth, hidden)
-        engine.add_many([Stream(list(prompt), 1 << 30, seed=r) for r in range(B)], list(range(B)))
-        for draft, ahead in ((True, False), (True, False), (False, True), (False, False), (True, False), (True, False)):
-            engine.step(draft, ahead=ahead)
-        mx.eval([c.state for c in engine.cache + engine.head_cache])
-        log.extend(engine.log)
-    return log
-
-
 def run_batch(
     m: MTPModel, streams: Sequence[Stream], depth: int = 1, mode: str = "mtp", join_at: Optional[Sequence[int]] = None,
-    hidden: str = "post-norm", policy=None, keep_hook=None,
+    hidden: str = "post-norm", policy=None, keep_hook=None, stream=None,
 ) -> BatchedMTP:
     """Decode ``streams`` together until all are done. Stream i joins before step ``join_at[i]``
     (default 0) and leaves after the step that finishes it. ``mode``: "mtp" (rows draft as their
     ``draft`` flag says), "plain" (no row drafts: the plain batched engine), "auto" (``policy``
-    decides per step). ``keep_hook``: see ``BatchedMTP``. Returns the engine (its ``log``; the streams hold
-    their tokens)."""
+    decides per step). ``keep_hook``: see ``BatchedMTP``. ``stream``: the MLX stream the decode runs on
+    (default mlx-lm's ``generation_stream``, BatchGenerator's). Returns the engine (its ``log``; the streams
+    hold their tokens)."""
     if mode not in ("mtp", "plain", "auto"):
         raise ValueError(f"mode must be mtp, plain or auto, not {mode!r}")
     if mode == "auto" and policy is None:
         policy = DraftPolicy()
     engine = BatchedMTP(m, depth, hidden, keep_hook=keep_hook)
     join_at = list(join_at) if join_at is not None else [0] * len(streams)
+    with mx.stream(stream if stream is not None else decode_stream()):
+        _drive(engine, streams, join_at, mode, policy)
+    return engine
+
+
+def decode_stream():
+    """The MLX stream batched decoding runs on: mlx-lm's ``generation_stream``, the one BatchGenerator runs on."""
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream
+
+
+def _drive(engine: BatchedMTP, streams: Sequence[Stream], join_at: List[int], mode: str, policy) -> None:
     waiting = sorted(range(len(streams)), key=lambda i: join_at[i])
     step, decided = 0, None  # decided: the policy's choice for this step, made during the last one
     while waiting or engine.streams:
@@ -379,4 +375,3 @@ def run_batch(
             if not engine.streams:
                 decided = None
         step += 1
-    return engine

@@ -1,12 +1,51 @@
-"""When the batched engine drafts: ``DraftPolicy``, its "auto" mode (``batched.run_batch``)."""
+"""When the batched engine drafts: ``DraftPolicy``, its "auto" mode (``batched.run_batch``), and the
+``Calibration`` it can start from (``calibration.calibrate``: both kinds timed per batch size before decoding)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
-from typing import Deque, Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Deque, Dict, List, Optional, Tuple
 
 from .rows import StepLog
+
+SD_FLOOR = 0.3  # the least spread assumed of the drafts a row keeps per step (a few steps can all agree)
+
+
+@dataclass
+class Calibration:
+    """Step costs timed before decoding: per (batch size, drafted) the seconds of the steady steps, as
+    ``DraftPolicy.observe`` times a step (``DraftPolicy.timeable``). Kept per model and depth by its caller (a
+    server, the bench) and given to every ``DraftPolicy`` it makes for them."""
+
+    depth: int
+    seconds: Dict[Tuple[int, bool], List[float]] = field(default_factory=dict)
+    # per (batch size, drafted) the seconds of a kind's first step after a step of the other kind: the way
+    # into a probe and back out of it (a plain step's graphs built anew, a drafting step's catch-up)
+    switch: Dict[Tuple[int, bool], List[float]] = field(default_factory=dict)
+    wall_s: float = 0.0  # how long calibrating took
+
+    def add(self, record: StepLog, previous: Optional[StepLog] = None) -> None:
+        key = (len(record.streams), record.drafted)
+        if DraftPolicy.timeable(record, self.depth):
+            self.seconds.setdefault(key, []).append(record.seconds)
+        elif (previous is not None and previous.drafted != record.drafted and not record.after_join
+              and len(previous.streams) == len(record.streams)):
+            self.switch.setdefault(key, []).append(record.seconds)
+
+    def switch_extra(self, B: int, drafted: bool) -> float:
+        """Seconds a kind's first step after the other kind takes beyond its steady step at batch size B
+        (0 where calibrating saw none)."""
+        key = (B, drafted)
+        if not self.switch.get(key) or not self.seconds.get(key):
+            return 0.0
+        return max(statistics.median(self.switch[key]) - statistics.median(self.seconds[key]), 0.0)
+
+    def to_json(self) -> dict:
+        return {f"B={b},{'draft' if d else 'plain'}{' switch' if switch else ''}": round(1e3 * statistics.median(t), 3)
+                for switch, times in ((False, self.seconds), (True, self.switch)) for (b, d), t in sorted(times.items())}
 
 
 class DraftPolicy:
@@ -56,12 +95,16 @@ class DraftPolicy:
     """
 
     def __init__(self, budget: float = 0.03, min_interval: int = 16, accept_window: int = 64, window: int = 8,
-                 probe_steps: int = 3, catch_up_window: int = 4):
-        self.budget, self.min_interval = budget, min_interval
+                 probe_steps: int = 3, catch_up_window: int = 4, calibration: Optional[Calibration] = None,
+                 optimism: float = 1.0):
+        self.budget, self.min_interval, self.optimism = budget, min_interval, optimism
+        self.calibration = calibration
         self.accepted: Deque[int] = deque(maxlen=accept_window)  # drafts kept, per drafting row-step
         self.window, self.probe_steps = window, probe_steps
         self.timed: Dict[Tuple[int, bool], Deque[float]] = {}
         self.tokens_per_row: Optional[float] = None
+        self.seen = 0  # drafting row-steps observed, all told
+        self.least_seen = accept_window // 4  # drafting row-steps a calibrated policy observes before giving up on it
         self.decisions = 0
         self.winner: Optional[bool] = None  # the kind predicted faster at the last decision
         self.probing = 0  # probe steps still to choose
@@ -73,6 +116,10 @@ class DraftPolicy:
         self.last_probe = 0  # decision count when the last probe started
         self.probes = 0  # probes started
         self.previous: Optional[bool] = None  # the kind of the last step observed
+        if calibration is not None and calibration.seconds:  # the calibration took the first timings
+            for key, times in calibration.seconds.items():
+                self.timed[key] = deque(times[-window:], maxlen=window)
+            self.first_steps = None
 
     step_cost = staticmethod(statistics.median)  # of a kind's last timed steps (see the class)
 
@@ -117,11 +164,14 @@ class DraftPolicy:
         if not drafting:
             return False
         costs = self.costs(B)
-        rates = self._rates(B, drafting, costs)
+        tokens_per_row = self.bound(engine.depth)
+        rates = self._rates(B, drafting, costs, tokens_per_row)
         if rates is None:  # the first timings: drafting's, then plain's
             return self.seconds(B, True) is None or self.tokens_per_row is None
         self.decisions += 1
         better = rates[0] > rates[1]
+        if self.decisions == 1 and self.calibration is not None:
+            self.probe_loss = self.calibrated_probe_loss(B, drafting, better, costs, tokens_per_row)
         if better != self.winner:  # a new winner: what was spent so far was exploring it
             self.winner, self.since_probe, self.probing = better, 0.0, 0
         if self.probing:
@@ -134,6 +184,38 @@ class DraftPolicy:
             self.probes += 1
             return not better
         return better
+
+    def bound(self, depth: int) -> Optional[float]:
+        """Tokens a drafting row emits per step, as the decisions take it: an upper confidence bound, the mean
+        of the drafts kept over the window plus ``optimism`` spreads over the root of every drafting row-step
+        seen (so the bonus fades as drafting is observed, where the window's own error would keep favouring
+        drafting at a near tie for good); at most 1 + depth. Until ``least_seen`` drafting row-steps were seen
+        it is 1 + depth once calibrated (drafting is tried first wherever it could win: its own steps are what
+        measures it, while plain's cost is known; a few rows' first steps are too few to give it up on: at 4
+        rows keeping 0.8 of their drafts, 2 steps keep half or fewer one time in 20), None otherwise (the
+        first timings)."""
+        n = len(self.accepted)
+        if not n or (self.calibration is not None and self.seen < self.least_seen):
+            return None if self.calibration is None else 1.0 + depth
+        mean = sum(self.accepted) / n
+        spread = max(statistics.pstdev(self.accepted), SD_FLOOR) if n > 1 else SD_FLOOR
+        return min(1.0 + depth, 1.0 + mean + self.optimism * spread / math.sqrt(self.seen))
+
+    def calibrated_probe_loss(self, B: int, drafting: int, drafting_wins: bool, costs: Tuple[float, float],
+                              tokens_per_row: float) -> float:
+        """What a probe of the loser is predicted to lose, from the calibration, before any was run: its
+        ``probe_steps`` steps against the winner's rate for the same tokens, and the extra of the first
+        step into the probe and of the first step back (``Calibration.switch_extra`` of both kinds). The
+        budget pays this before the first probe, as it pays a measured probe's loss before the next (with no
+        debt a calibrated policy would probe as soon as ``min_interval`` allows: in a 64-token decode of the
+        27B shape at 4 rows on the H200 that probe, its first plain step 3.7 plain steps long, cost 4%)."""
+        winner_rate = max(self._rates(B, drafting, costs, tokens_per_row))
+        if drafting_wins:
+            loser_cost, loser_tokens = costs[1], B
+        else:
+            loser_cost, loser_tokens = costs[0], drafting * tokens_per_row + B - drafting
+        steps = self.probe_steps * max(loser_cost - loser_tokens / winner_rate, 0.0)
+        return steps + self.calibration.switch_extra(B, True) + self.calibration.switch_extra(B, False)
 
     def could_draft(self, engine, costs: Tuple[float, float]) -> bool:
         """Whether drafting would win with every draft kept (1 + depth tokens a drafting row) at ``costs``
@@ -152,18 +234,24 @@ class DraftPolicy:
         per_pair = statistics.median(self.catch_up) * costs[1]
         return self.probe_loss - self.probe_catch_up + per_pair * max(pending - engine.depth - 1, 0)
 
+    @staticmethod
+    def timeable(record: StepLog, depth: int) -> bool:
+        """Whether a step's time is a step cost of its kind (the class doc says which are not)."""
+        return record.head_width <= depth + 1 and not record.after_join and record.steady
+
     def observe(self, engine, record: StepLog) -> None:
         B = len(record.streams)
-        if record.head_width <= engine.depth + 1 and not record.after_join and record.steady:
+        if self.timeable(record, engine.depth):
             times = self.timed.setdefault((B, record.drafted), deque(maxlen=self.window))
             times.append(record.seconds)
         kept = [a for a in record.accepted if a >= 0]
         if record.drafted and kept:
             self.accepted.extend(kept)
+            self.seen += len(kept)
             self.tokens_per_row = 1 + sum(self.accepted) / len(self.accepted)
         drafting = sum(a >= 0 for a in record.accepted) or B
         costs = self.costs(B)
-        rates = self._rates(B, drafting, costs)
+        rates = self._rates(B, drafting, costs, self.tokens_per_row or self.bound(engine.depth))
         # a step after a join reads the new prompts: its cost is the join's, not a switch's
         switched = self.previous is not None and self.previous != record.drafted and not record.after_join
         self.previous = record.drafted
@@ -202,4 +290,5 @@ class DraftPolicy:
                                    for (b, d), t in costs.items() if t is not None},
                 "policy_tokens_per_row": None if self.tokens_per_row is None else round(self.tokens_per_row, 3),
                 "policy_probes": self.probes,
+                "policy_calibration_ms": None if self.calibration is None else self.calibration.to_json(),
                 "policy_catch_up_per_pair": round(statistics.median(self.catch_up), 4) if self.catch_up else None}

@@ -90,6 +90,9 @@ class RecordingGatedDelta:
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
         if not isinstance(cache, RollbackArraysCache):
             return super().__call__(inputs, mask, cache)
+        if inputs.shape[1] == 1:  # a one-token pass is never undone (it keeps its one token): the library's forward
+            cache.record(None, 1)
+            return super().__call__(inputs, mask, cache)
         if getattr(self, "sharding_group", None) is not None or cache.lengths is not None:
             raise NotImplementedError("speculative decoding runs one unsharded sequence")
         B, S, _ = inputs.shape

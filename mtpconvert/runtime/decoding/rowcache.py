@@ -15,6 +15,8 @@ it), so one row cannot drop its rejected drafts while another keeps them. Here:
     shapes change at each doubling of the context instead of every step: MLX's CUDA backend builds a
     cuDNN attention graph for every new (query, key, mask) shape of a multi-token query, 45-180 ms
     each.
+``RowCacheList``  several caches one layer updates together, each of the same rows and lengths (GLM-5's
+    MLA latents and its indexer keys, mlx-lm's ``CacheList``): every row operation goes to each.
 ``RowRollbackCache``  linear attention (GatedDeltaNet). The recording forward keeps the last
     pass's inputs (``rollback.RecordingGatedDelta``); ``rollback_rows(keep)`` re-runs the
     recurrence once over the pass with a per-row mask (position i counts for row r only when
@@ -28,6 +30,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update
 
 from .rollback import RollbackArraysCache
@@ -149,6 +152,58 @@ class RowKVCache:
         else:
             self.keys, self.values = other.keys, other.values
         self.lengths = self.lengths + other.lengths
+
+
+class RowCacheList(CacheList):
+    """mlx-lm's ``CacheList`` of ``RowKVCache``s: the caches of one layer (GLM-5: MLA latents with their RoPE
+    keys, and the indexer's keys), written by the same passes, so every row has one length in all of them.
+    The layer reads offsets and masks from the first (as mlx-lm's model does from its ``CacheList``)."""
+
+    @property
+    def lengths(self) -> List[int]:
+        return self.caches[0].lengths
+
+    @property
+    def offset(self):
+        return self.caches[0].offset
+
+    @property
+    def state(self):
+        return [x for c in self.caches for x in c.state]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        return self.caches[0].make_mask(N, return_array, window_size)
+
+    def trim_rows(self, n: Sequence[int]) -> None:
+        for c in self.caches:
+            c.trim_rows(n)
+
+    def add_empty_row(self) -> None:
+        for c in self.caches:
+            c.add_empty_row()
+
+    def filter(self, rows: Sequence[int]) -> None:
+        for c in self.caches:
+            c.filter(rows)
+
+    def extend(self, other: "RowCacheList") -> None:
+        for c, o in zip(self.caches, other.caches):
+            c.extend(o)
+
+
+def row_caches_like(caches: Sequence, rows: int) -> list:
+    """Per-row twins of a library's attention caches, ``rows`` rows of length 0 each: ``KVCache`` ->
+    ``RowKVCache``, ``CacheList`` -> ``RowCacheList`` of its caches' twins. Any other kind (a rotating
+    window, a recurrent state) has no per-row twin here: ``ValueError`` naming it."""
+    out = []
+    for c in caches:
+        if type(c) is KVCache:
+            out.append(RowKVCache([0] * rows))
+        elif type(c) is CacheList:
+            out.append(RowCacheList(*row_caches_like(c.caches, rows)))
+        else:
+            raise ValueError(f"no per-row cache for mlx-lm's {type(c).__name__}")
+    return out
 
 
 class RowRollbackCache(RollbackArraysCache):

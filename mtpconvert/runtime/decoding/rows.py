@@ -40,7 +40,9 @@ class Stream:
     out: List[int] = field(default_factory=list)
     accepted: List[int] = field(default_factory=list)  # per step this row took part in: drafts kept, -1 = plain
     stats: DecodeStats = field(default_factory=DecodeStats)
-    pend_h: List[mx.array] = field(default_factory=list)  # pieces [n_i, H] of the backbone states whose next token is known
+    # the backbone states whose next token is known, as pieces (a pass's states [B, S, H], row, first n positions),
+    # sliced only when the head reads them (``pending_states``): a step adds no per-row array op
+    pend_h: list = field(default_factory=list)
     pend_t: List[int] = field(default_factory=list)  # those next tokens
     first_token_s: float = 0.0  # perf_counter when the first token was known
     done_s: float = 0.0
@@ -52,6 +54,12 @@ class Stream:
     def history(self) -> List[int]:
         """Every token so far, the confirmed one last: what a processor sees for the next position."""
         return self.prompt + self.out
+
+
+def pending_states(s: Stream) -> mx.array:
+    """The stream's pending backbone states as one array [n, H]."""
+    pieces = [states[row, :n] for states, row, n in s.pend_h]
+    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces)
 
 
 def processed(s: Stream, logits: mx.array, history: mx.array) -> mx.array:

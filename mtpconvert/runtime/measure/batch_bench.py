@@ -12,14 +12,15 @@ Throughput is decode throughput: tokens after each stream's first one, over the 
 stream's first token to the last stream's end (prefill excluded for every decoder alike).
 Aggregate tok/s counts all streams; per-stream tok/s is each stream's own tokens over its own
 decode time, averaged. All decoders run in one process, interleaved per concurrency, after an
-untimed warm-up of each (kernels compile per shape; on a GPU ``batched.warm_up`` first runs every
-pass shape of 1 .. C rows, since `auto`'s timed trajectory differs from its warm-up's). With
+untimed warm-up of each (kernels compile per shape; ``calibration.calibrate`` first runs every pass shape
+of 1 .. C rows, since `auto`'s trajectory differs from any warm-up's, and times both kinds at each). With
 ``rounds`` > 1 the timed runs repeat, interleaved in a balanced order (``round_order``: over as many
 rounds as decoders each runs first once and follows each other decoder once), and each decoder
 reports its median round (every round's aggregate tok/s is kept): on a shared machine one round
 moves by tens of percent. Before every timed run the garbage is collected and
-MLX's buffer cache cleared, so no run pays for the one before. The ``auto`` policy is warmed by one
-untimed run and kept across rounds, as a server keeps it.
+MLX's buffer cache cleared, so no run pays for the one before. The ``auto`` policy starts from the
+calibration (no untimed run: its first timed round is its first decode) and is kept across rounds, as a
+server keeps it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from ...progress import Counter, Progress
-from ..decoding.batched import Stream, run_batch, warm_up
+from ..decoding.batched import Stream, run_batch
+from ..decoding.calibration import calibrate
 from ..decoding.draft_policy import DraftPolicy
 from ..decoding.load import MTPModel
 from ..decoding.sampling import Sampling
@@ -170,6 +172,35 @@ def paired_ratio(own: Sequence[float], against: Dict[str, Sequence[float]]) -> O
     return statistics.median(ratios) if ratios else None
 
 
+def timed_rounds(decoders: Dict[str, Callable[[], DecoderRun]], rounds: int,
+                 on_run: Optional[Callable[[DecoderRun], None]] = None,
+                 on_start: Optional[Callable[[str, int], None]] = None) -> Dict[str, DecoderRun]:
+    """Each decoder's timed run ``rounds`` times in the balanced order (``round_order``), the garbage collected
+    and MLX's buffer cache cleared before every run; per decoder its median run, holding every round's
+    aggregate tok/s and tokens per CPU second. ``on_start(name, round)`` before each run, ``on_run(run)`` after."""
+    timed: Dict[str, List[DecoderRun]] = {name: [] for name in decoders}
+    names = list(decoders)
+    for i in range(rounds):
+        for name in (names[j] for j in round_order(len(names), i)):
+            if on_start:
+                on_start(name, i)
+            gc.collect()  # the last run's garbage is not collected on this run's time
+            mx.clear_cache()
+            c0 = time.process_time()
+            run = decoders[name]()
+            run.cpu_s = time.process_time() - c0
+            timed[name].append(run)
+            if on_run:
+                on_run(run)
+    runs = {}
+    for name, done in timed.items():
+        ranked = sorted(done, key=lambda r: r.aggregate_tps)
+        runs[name] = ranked[(len(ranked) - 1) // 2]
+        runs[name].rounds = [r.aggregate_tps for r in done]
+        runs[name].cpu_rounds = [r.cpu_tps for r in done]
+    return runs
+
+
 @dataclass
 class ConcurrencyRow:
     concurrency: int
@@ -243,7 +274,7 @@ def bench_concurrency(
     reports its median of ``rounds`` interleaved timed runs. ``progress`` counts the runs, warm-up included
     (stage "bench")."""
     result = ConcurrencyResult(path, sampling, max_tokens, len(encoded))
-    count = Counter(progress, "bench", len(depths) * len(concurrency) * 4 * (1 + rounds), "runs")
+    count = Counter(progress, "bench", len(depths) * len(concurrency) * (3 + 4 * rounds), "runs")
     for depth in depths:
         for c in concurrency:
             level = f"depth {depth}, {c} stream{'s' if c > 1 else ''}"
@@ -254,35 +285,21 @@ def bench_concurrency(
                 "plain": lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "plain", hidden),
                 "mtp": lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "mtp", hidden),
             }
-            if mx.default_device() == mx.gpu:  # every pass shape of 1 .. c rows, whatever auto's trajectory
-                warm_up(m, depth, c, hidden)
+            # every pass shape of 1 .. c rows, whatever auto's trajectory, and both kinds timed at each
+            cal = calibrate(m, depth, c, hidden)
             for run in decoders.values():  # warm-up: compiles every shape the timed runs meet
                 run()
                 count.add()
-            policy = DraftPolicy()
-            engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden, policy)  # warms it up too
-            count.add()
+            policy = DraftPolicy(calibration=cal)  # its first decode is the first timed round
             decoders["auto"] = lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "auto", hidden,
                                                      policy)
-            timed = {name: [] for name in decoders}
-            names = list(decoders)
-            for i in range(rounds):
-                for name in (names[j] for j in round_order(len(names), i)):
-                    count.at(f"{level}: round {i + 1}/{rounds}, {name}")
-                    run = decoders[name]
-                    gc.collect()  # the last run's garbage is not collected on this run's time
-                    mx.clear_cache()
-                    c0 = time.process_time()
-                    timed[name].append(run())
-                    timed[name][-1].cpu_s = time.process_time() - c0
-                    if on_tokens:
-                        on_tokens(timed[name][-1].generated + c)
-                    count.add()
-            runs = {}
-            for name, done in timed.items():
-                ranked = sorted(done, key=lambda r: r.aggregate_tps)
-                runs[name] = ranked[(len(ranked) - 1) // 2]
-                runs[name].rounds = [r.aggregate_tps for r in done]
-                runs[name].cpu_rounds = [r.cpu_tps for r in done]
+
+            def done(run: DecoderRun) -> None:
+                if on_tokens:
+                    on_tokens(run.generated + c)
+                count.add()
+
+            runs = timed_rounds(decoders, rounds, done,
+                                on_start=lambda name, i: count.at(f"{level}: round {i + 1}/{rounds}, {name}"))
             result.rows.append(ConcurrencyRow(c, depth, runs, policy))
     return result

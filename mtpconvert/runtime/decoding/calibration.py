@@ -1,0 +1,79 @@
+"""Before a batch decodes: every pass shape run once (``warm_up``), and both kinds of step timed at each batch
+size (``calibrate``), so that ``DraftPolicy``'s first decisions use measured costs rather than probes.
+
+A backend that compiles per shape (MLX CUDA: a cuDNN graph per attention and per convolution shape, a kernel
+per custom-kernel shape) would otherwise compile inside the decode whatever shape its trajectory meets first:
+an ``auto`` decode, whose trajectory differs from any warm-up's, meets new ones as rows leave. Calibrating
+runs the warm-up's shapes and then times, per batch size, stretches of pipelined plain steps and of drafting
+steps, in which rows keep different numbers of drafts (a keep pattern, not the head's: the rows are the same
+synthetic prompt, and the undo's per-row replay is part of a drafting step's cost).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from .batched import CATCH_UP, BatchedMTP, decode_stream
+from .draft_policy import Calibration
+from .load import MTPModel
+from .rows import StepLog, Stream
+
+# per batch size: the head's catch-up passes (2 x CATCH_UP), its normal pass and chained drafts, the verify
+# pass, a pipelined plain stretch (its first and last step), drafting again (a catch-up over the stretch)
+WARM_STEPS = ((True, False), (True, False), (False, True), (False, False), (True, False), (True, False))
+
+
+def _keep_pattern(sid: int, position: int) -> bool:
+    """Rows keep drafts at alternate positions, neighbours out of phase: different accepts in every step."""
+    return (sid + position) % 3 != 0
+
+
+def _engine(m: MTPModel, depth: int, B: int, hidden: str, keep_hook=None) -> BatchedMTP:
+    engine = BatchedMTP(m, depth, hidden, keep_hook=keep_hook)
+    prompt = list(range(1, CATCH_UP + 2))  # the first draft catches up over 2 passes
+    engine.add_many([Stream(list(prompt), 1 << 30, seed=r) for r in range(B)], list(range(B)))
+    return engine
+
+
+def warm_up(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm") -> List[StepLog]:
+    """Run, once, every pass shape a batch of 1 .. ``rows`` rows meets while decoding (prefill aside), all
+    within the first attention window (``WARM_STEPS``, rows keeping different numbers of drafts). The decode
+    that follows then compiles nothing, whatever its mix of drafting and plain steps and however rows leave.
+    Returns the steps' logs."""
+    log: List[StepLog] = []
+    with mx.stream(decode_stream()):
+        for B in range(1, rows + 1):
+            engine = _engine(m, depth, B, hidden, _keep_pattern)
+            for draft, ahead in WARM_STEPS:
+                engine.step(draft, ahead=ahead)
+            mx.eval([c.state for c in engine.cache + engine.head_cache])
+            log.extend(engine.log)
+    return log
+
+
+def calibrate(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm", steps: int = 4,
+              sizes: Optional[Sequence[int]] = None) -> Calibration:
+    """``warm_up``'s shapes, then at each batch size of ``sizes`` (default 1 .. ``rows``) two rounds of
+    ``steps`` + 2 pipelined plain steps and ``steps`` + 1 drafting steps, timed as the policy times a step
+    (the first and last of a plain stretch and the first drafting step after it are not step costs):
+    2 x ``steps`` timings of each kind per batch size. Returns them with how long calibrating took."""
+    t0 = time.perf_counter()
+    cal = Calibration(depth)
+    with mx.stream(decode_stream()):
+        for B in sorted(set(sizes or range(1, rows + 1))):
+            engine = _engine(m, depth, B, hidden, _keep_pattern)
+            for draft, ahead in WARM_STEPS:
+                engine.step(draft, ahead=ahead)
+            timed_from = len(engine.log)
+            for _ in range(2):
+                for i in range(steps + 2):
+                    engine.step(False, ahead=i <= steps)
+                for _ in range(steps + 1):
+                    engine.step(True)
+            for previous, record in zip(engine.log[timed_from - 1:], engine.log[timed_from:]):
+                cal.add(record, previous)
+    cal.wall_s = time.perf_counter() - t0
+    return cal
