@@ -18,15 +18,13 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from ...compat import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
+from ...compat import vlm_only
 from ...compat.folder import Folder, _files_str
 from ...compat.head import _head
 from ...compat.report import RuntimeCompat, Verdict
 from . import drafter_module
 
 NO_BACKBONE = Verdict(None, "drafter folder: the head only, no backbone")
-NO_MLX_LM = Verdict(False, "mlx-lm has no glm5_next module (ValueError: Model type glm5_next not supported)")
-NOT_SERVED = "loads models with mlx-lm, which has no glm5_next module: the folder is refused"
 OWN_VOCAB = ("embed_tokens.", "shared_head.head.")
 
 
@@ -38,24 +36,8 @@ def _layer_prefixes(config: dict) -> tuple:
     return tuple(f"{p}layers.{n}." for p in ("model.language_model.", "language_model.model.", "model.", ""))
 
 
-def _index_files(folder: Folder) -> List[str]:
-    """The files mlx-vlm's loader reads: the index's, else every root ``*.safetensors``."""
-    weight_map = (folder.index or {}).get("weight_map") or {}
-    if weight_map:
-        return sorted(set(weight_map.values()))
-    return sorted(f for f in folder.headers if "/" not in f and not f.endswith("consolidated.safetensors"))
-
-
-def _splitter_files(folder: Folder, prefixes: tuple, under: str = "") -> List[str]:
-    """The files the splitter reads in the folder ``under`` (the root, or ``mtp/``): those its index names for
-    nextn keys, else every ``*.safetensors`` there (the root's index only: ``mtp/`` has none)."""
-    weight_map = ((folder.index or {}).get("weight_map") or {}) if not under else {}
-    listed = sorted({f for k, f in weight_map.items() if k.startswith(prefixes)})
-    return listed or sorted(f for f in folder.headers if f.startswith(under) and "/" not in f[len(under):])
-
-
 def _backbone(folder: Folder) -> Verdict:
-    files = _index_files(folder)
+    files = vlm_only.loader_files(folder)
     if not files:
         return Verdict(False, "no safetensors file for mlx-vlm to load")
     return Verdict(True, f"{_files_str(files)} loaded as written (its sanitize drops the nextn layer and fuses "
@@ -101,7 +83,7 @@ def _drafter_route(folder: Folder) -> Verdict:
     if drafter != folder.config:
         return Verdict(False, "mtp/config.json is not the model's own config: mlx-vlm would not run its glm5_next "
                               "splitter over mtp/")
-    return _head_verdict(folder, drafter, _splitter_files(folder, _layer_prefixes(drafter), "mtp/"),
+    return _head_verdict(folder, drafter, vlm_only.splitter_files(folder, _layer_prefixes(drafter), "mtp/"),
                          "--draft-model OUT/mtp")
 
 
@@ -119,18 +101,6 @@ def rows(folder: Folder, layout: str) -> Dict[str, RuntimeCompat]:
     """runtime -> its row for a glm5_next folder."""
     own = _own_drafter(folder)
     backbone = NO_BACKBONE if layout == "drafter" or own is not None else _backbone(folder)
-    root = own or _head_verdict(folder, folder.config, _splitter_files(folder, _layer_prefixes(folder.config)),
-                                "--draft-model OUT")
-    refused = lambda who: Verdict(False, f"{who} {NOT_SERVED}")  # noqa: E731
-    return {
-        mlx_lm.OLD[0]: RuntimeCompat(*mlx_lm.OLD, NO_MLX_LM, mlx_lm.NO_DECODING),
-        mlx_lm.NEW[0]: RuntimeCompat(*mlx_lm.NEW, NO_MLX_LM, mlx_lm.NO_DECODING),
-        mlx_vlm.NAME: RuntimeCompat(*mlx_vlm.VLM, backbone, root),
-        mlx_vlm.DRAFTER_ROUTE: RuntimeCompat(mlx_vlm.DRAFTER_ROUTE, mlx_vlm.VERSION, backbone,
-                                             own or _drafter_route(folder)),
-        mtplx.NAME: RuntimeCompat(*mtplx.MTPLX, refused("mtplx"), refused("mtplx"), verified=False),
-        rapid_mlx.NAME: RuntimeCompat(*rapid_mlx.RAPID, refused("rapid-mlx"), refused("rapid-mlx"), verified=False),
-        vllm_mlx.NAME: RuntimeCompat(*vllm_mlx.VLLM, refused("vllm-mlx"), refused("vllm-mlx"), verified=False),
-        pr990.NAME: RuntimeCompat(*pr990.PR990, refused("the PR #990 branch"), refused("the PR #990 branch"),
-                                  verified=False),
-    }
+    root_files = vlm_only.splitter_files(folder, _layer_prefixes(folder.config))
+    root = own or _head_verdict(folder, folder.config, root_files, "--draft-model OUT")
+    return vlm_only.rows("glm5_next", backbone, root, own or _drafter_route(folder))

@@ -18,41 +18,24 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from ...compat import mlx_lm, mlx_vlm, mtplx, pr990, rapid_mlx, vllm_mlx
+from ...compat import vlm_only
 from ...compat.folder import Folder, _files_str
 from ...compat.head import _head
 from ...compat.report import RuntimeCompat, Verdict
 
 NO_BACKBONE = Verdict(None, "drafter folder: the head only, no backbone")
-NO_MLX_LM = Verdict(False, "mlx-lm has no qwen4_exp module (ValueError: Model type qwen4_exp not supported)")
-NOT_SERVED = "loads models with mlx-lm, which has no qwen4_exp module: the folder is refused"
-
-
-def _index_files(folder: Folder) -> List[str]:
-    """The files mlx-vlm loads: the index's, else every root ``*.safetensors``."""
-    weight_map = (folder.index or {}).get("weight_map") or {}
-    if weight_map:
-        return sorted(set(weight_map.values()))
-    return sorted(f for f in folder.headers if "/" not in f and not f.endswith("consolidated.safetensors"))
-
-
-def _splitter_files(folder: Folder) -> List[str]:
-    """The files mlx-vlm's splitter reads at the root: those the index names for ``mtp.*`` keys, else every root
-    ``*.safetensors``."""
-    weight_map = (folder.index or {}).get("weight_map") or {}
-    listed = sorted({f for k, f in weight_map.items() if k.startswith(("mtp.", "language_model.mtp.", "model.mtp."))})
-    return listed or sorted(f for f in folder.headers if "/" not in f)
+HEAD_KEYS = ("mtp.", "language_model.mtp.", "model.mtp.")  # what its splitter selects (split.py:18-20)
 
 
 def _backbone(folder: Folder) -> Verdict:
-    files = _index_files(folder)
+    files = vlm_only.loader_files(folder)
     if not files:
         return Verdict(False, "no safetensors file for mlx-vlm to load")
     return Verdict(True, f"{_files_str(files)} loaded as written (mtp.* dropped by its sanitize, no norm shifted)")
 
 
 def _head_verdict(folder: Folder, files: List[str], route: str) -> Verdict:
-    found = _head(folder, files, ("mtp.", "language_model.mtp.", "model.mtp."))
+    found = _head(folder, files, HEAD_KEYS)
     if found is None:
         return Verdict(False, f"{route}: no mtp.* keys in {_files_str(files) if files else 'its files'}")
     per_expert = [k for k in found.tensors if ".mlp.experts." in k and k.endswith(".weight")
@@ -79,19 +62,6 @@ def _drafter_route(folder: Folder) -> Verdict:
 
 def rows(folder: Folder, layout: str) -> Dict[str, RuntimeCompat]:
     """runtime -> its row for a qwen4_exp folder."""
-    drafter = layout == "drafter"
-    backbone = NO_BACKBONE if drafter else _backbone(folder)
-    root = _head_verdict(folder, _splitter_files(folder), "--draft-model OUT")
-    refused = lambda who: Verdict(False, f"{who} {NOT_SERVED}")  # noqa: E731
-    return {
-        mlx_lm.OLD[0]: RuntimeCompat(*mlx_lm.OLD, NO_MLX_LM, mlx_lm.NO_DECODING),
-        mlx_lm.NEW[0]: RuntimeCompat(*mlx_lm.NEW, NO_MLX_LM, mlx_lm.NO_DECODING),
-        mlx_vlm.NAME: RuntimeCompat(*mlx_vlm.VLM, backbone, root),
-        mlx_vlm.DRAFTER_ROUTE: RuntimeCompat(mlx_vlm.DRAFTER_ROUTE, mlx_vlm.VERSION, backbone,
-                                             _drafter_route(folder)),
-        mtplx.NAME: RuntimeCompat(*mtplx.MTPLX, refused("mtplx"), refused("mtplx"), verified=False),
-        rapid_mlx.NAME: RuntimeCompat(*rapid_mlx.RAPID, refused("rapid-mlx"), refused("rapid-mlx"), verified=False),
-        vllm_mlx.NAME: RuntimeCompat(*vllm_mlx.VLLM, refused("vllm-mlx"), refused("vllm-mlx"), verified=False),
-        pr990.NAME: RuntimeCompat(*pr990.PR990, refused("the PR #990 branch"), refused("the PR #990 branch"),
-                                  verified=False),
-    }
+    backbone = NO_BACKBONE if layout == "drafter" else _backbone(folder)
+    root = _head_verdict(folder, vlm_only.splitter_files(folder, HEAD_KEYS), "--draft-model OUT")
+    return vlm_only.rows("qwen4_exp", backbone, root, _drafter_route(folder))
