@@ -10,7 +10,7 @@ DEMO_ARGS ?=
 # a stage line and one every 5 s on stderr while a quiet install runs (pip -q says nothing for tens of seconds)
 HEARTBEAT := $(PYTHON) -m tools.heartbeat
 
-.PHONY: install demo test interop clean
+.PHONY: install demo test test-all interop clean
 
 # the venv's pip comes from the system's pip where it has one (>= 22.3: --python); ensurepip's bundled pip,
 # compiled only to be replaced by the upgrade, is the fallback
@@ -38,7 +38,12 @@ install: $(VENV)/.installed-test
 demo: $(VENV)/.installed-demo
 	$(PY) -m mtpconvert.demo --out $(DEMO_OUT) $(DEMO_ARGS)
 
+# CI's suite (.ci/run): everything but the tests marked slow, which test-all adds (wheel builds, full-size recipe
+# plans, statistical and acceptance runs that other tests cover more cheaply)
 test: $(VENV)/.installed-test
+	$(PY) -m pytest tests -m "not slow" --durations=15
+
+test-all: $(VENV)/.installed-test
 	$(PY) -m pytest tests --durations=15
 
 # Runs the converted fixtures in stock mlx-lm 0.31/0.32, mlx-vlm, mtplx, rapid-mlx, vllm-mlx (and the

@@ -323,6 +323,7 @@ def second_token_marginal(m, prompt, s: Sampling) -> np.ndarray:
     return marginal / marginal.sum()
 
 
+@pytest.mark.slow  # ~40 s: a sampling distribution over many rows (make test-all)
 def test_sampled_rows_keep_their_distribution_beside_greedy_and_plain_rows(dense):
     """Per row setting: the second token (the first a draft can supply) of batched decodes follows the
     exact marginal, for two sampled drafting settings, one sampled plain row and a greedy row side by

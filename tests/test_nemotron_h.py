@@ -176,7 +176,7 @@ def transformers_head(raw, hidden: np.ndarray, tokens) -> np.ndarray:
     with torch.no_grad():
         e = raw.model.model.embeddings(torch.tensor([tokens]))
         x = torch.cat([rms(e, first["enorm"]), rms(torch.from_numpy(hidden), first["hnorm"])], -1) @ first["eh_proj"].T
-        return raw.model.lm_head(module(inputs_embeds=x).last_hidden_state)[0].numpy()
+        return raw.model.lm_head(module(inputs_embeds=x, use_cache=False).last_hidden_state)[0].numpy()
 
 
 def test_our_head_forward_is_transformers_modules(raw, converted):

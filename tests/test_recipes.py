@@ -293,6 +293,7 @@ def test_fp8_releases_are_half_the_download_and_size_what_the_stream_holds(tmp_p
         assert not r.shards_at_the_mean and r.fits("standard") == (r.disk_needed_gb() <= RUNNERS["standard"].disk_gb)
 
 
+@pytest.mark.slow  # ~75 s: plans every bundled recipe's full-size table (make test-all)
 def test_recipe_sizes_are_the_converters_plan():
     """The terms of disk_needed_gb and memory_needed_gb against the plan the converter makes of each release's
     published tensor table with the recipe's options: the head as written (at its precision, fc float), the largest
