@@ -210,9 +210,7 @@ def concurrency_table(result, console: Console) -> None:
 
 
 def _shift_label(plan) -> str:
-    from ..plan.steps import ShiftNorm
-
-    if any(isinstance(step, ShiftNorm) for item in plan.items for step in item.steps):
+    if plan.norms_shifted:
         return "yes (raw source)"
     if plan.raw and plan.family.head.norms_zero_centred:
         return "no (zero-centred: the runtime adds 1)"

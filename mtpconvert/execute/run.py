@@ -73,7 +73,7 @@ def index_json(plan: Plan, extra_metadata: Optional[dict] = None) -> dict:
         "mtpconvert": {
             "version": __version__,
             "source_layout": plan.style,
-            "norm_shift_applied": plan.raw,
+            "norm_shift_applied": plan.norms_shifted,
             "dtype": plan.dtype,
             "mtp_policy": plan.options.quant.mtp,
             "mtp_layers": plan.mtp_layers,

@@ -14,7 +14,7 @@ from ..io.header import dtype_itemsize
 from ..io.shard_writer import TensorSpec
 from ..options import ConvertOptions
 from .quant import QuantSpec
-from .steps import Step
+from .steps import ShiftNorm, Step
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Plan:
     family: Family
     spec: object  # the family's ModelSpec
     style: str  # raw-vlm / raw-text / mlx
-    raw: bool  # norms zero-centred in the source (decided once, from conv1d shapes)
+    raw: bool  # the source in its raw layout, as the family decides once from the tensors (norms_zero_centred)
     dtype: str
     options: ConvertOptions
     items: List[PlanItem]
@@ -92,6 +92,12 @@ class Plan:
         for item in self.items:
             out[item.slot.group].append(item)
         return dict(out)
+
+    @property
+    def norms_shifted(self) -> bool:
+        """Whether this conversion adds 1 to any RMSNorm gain. Not the same as ``raw``: a family whose runtime
+        centres its zero-centred norms itself, or whose norms are plain gains, converts a raw source unshifted."""
+        return any(isinstance(step, ShiftNorm) for item in self.items for step in item.steps)
 
     @property
     def head_items(self) -> List[PlanItem]:
@@ -110,7 +116,7 @@ class Plan:
             "source": str(self.source),
             "model_type": self.spec.model_type,
             "layout": self.style,
-            "norm_shift": self.raw,
+            "norm_shift": self.norms_shifted,
             "dtype": self.dtype,
             "mtp_layers": self.mtp_layers,
             "notes": list(self.notes),
