@@ -129,22 +129,18 @@ def _by_groups(x: mx.array, indices: mx.array, group: int, group_forward) -> mx.
 
 
 def _float_stack(m: nn.Module, names) -> bool:
-    from mlx_lm.models.switch_layers import SwitchLinear
-
-    return all(type(getattr(m, n)) is SwitchLinear and getattr(m, n)["weight"].dtype != mx.float32 for n in names)
+    """Every projection in ``names`` a float expert stack (``switch_linear_classes``) not already float32."""
+    classes = switch_linear_classes()
+    return all(type(p := getattr(m, n, None)) in classes and p["weight"].dtype != mx.float32 for n in names)
 
 
 def is_float_switch_glu(m: nn.Module) -> bool:
     """A ``SwitchGLU`` whose three projections are unquantized and not float32: mlx-lm's, or mlx-vlm's copy of it
     (whose MoE block calls any other module as ``switch_mlp(x, indices)`` and combines the result itself)."""
-    from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
-
-    def float_switch(p) -> bool:
-        plain = type(p) is SwitchLinear or (type(p).__name__ == "SwitchLinear" and "scales" not in p)
-        return plain and p["weight"].dtype != mx.float32
+    from mlx_lm.models.switch_layers import SwitchGLU
 
     glu = isinstance(m, SwitchGLU) or (type(m).__name__ == "SwitchGLU" and type(m).__module__.startswith("mlx_vlm."))
-    return glu and all(float_switch(getattr(m, n, None)) for n in PROJECTIONS)
+    return glu and _float_stack(m, PROJECTIONS)
 
 
 def is_float_switch_mlp(m: nn.Module) -> bool:
