@@ -94,9 +94,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--same-length", action="store_true",
+                    help="cut every prompt to the shortest one's length: rows then stay at one length (the engine's "
+                         "uniform cache path) and BatchGenerator pads none")
     args = ap.parse_args(argv)
     m = load(args.folder)
     _, ids, _ = heldout_prompts(text_fixture_path(args.variant), per_file=1, prompt_tokens=32, files=8)
+    if args.same_length:
+        ids = [p[:min(len(q) for q in ids)] for p in ids]
     rows = []
     for c in (int(x) for x in args.concurrency.split(",")):
         rows.append(level(m, [ids[i % len(ids)] for i in range(c)], args.max_tokens, args.rounds))
@@ -106,7 +111,8 @@ def main(argv=None) -> int:
               + " | " + ", ".join(f"{k} {v}" for k, v in rows[-1].items() if "/" in k), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"folder": str(args.folder), "device": str(mx.default_device()),
-                                         "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows}, indent=1))
+                                         "max_tokens": args.max_tokens, "rounds": args.rounds,
+                                         "same_length": args.same_length, "rows": rows}, indent=1))
     return 0
 
 

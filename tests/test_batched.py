@@ -156,6 +156,32 @@ def test_long_catch_up_runs_in_fixed_width_passes(dense):
         assert s.out == plain_generate(m, s.prompt, n)[0], i
 
 
+def test_padded_prefill_leaves_each_row_as_its_own_prefill(tmp_path):
+    """Prompts of three lengths prefilled in one padded pass (float32): every row's first token, attention
+    keys and linear-attention conv window and state equal those of the row prefilled alone."""
+    out = tmp_path / "dense32"
+    convert_folder(text_fixture_path("dense"), out, dtype="float32")
+    m = load(out)
+    _, prompts, _ = heldout_prompts(text_fixture_path("dense"), per_file=1, prompt_tokens=24, files=8)
+    chosen = sorted({len(p): p for p in prompts}.values(), key=len)[:3]
+    assert len({len(p) for p in chosen}) == 3
+    together = batched.BatchedMTP(m, depth=1)
+    together.add_many([Stream(list(p), 4) for p in chosen], [0, 1, 2])
+    for r, p in enumerate(chosen):
+        alone = batched.BatchedMTP(m, depth=1)
+        alone.add(Stream(list(p), 4), 0)
+        assert together.streams[r].out == alone.streams[0].out, r
+        for mine, ref in zip(together.cache, alone.cache):
+            if isinstance(mine, RowKVCache):
+                n = len(p)
+                assert mine.lengths[r] == ref.lengths[0] == n
+                np.testing.assert_allclose(np.array(mine.keys[r, :, :n]), np.array(ref.keys[0, :, :n]),
+                                           rtol=1e-5, atol=1e-5)
+            else:  # the linear-attention layers: conv window, then recurrent state, of the row's last prompt token
+                for x, y in zip((mine[0], mine[1]), (ref[0], ref[1])):
+                    np.testing.assert_allclose(np.array(x[r]), np.array(y[0]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_warm_up_visits_every_pass_shape(dense, depth):
     """``warm_up`` runs, per batch size 1 .. rows, a catch-up (head passes of CATCH_UP), a normal

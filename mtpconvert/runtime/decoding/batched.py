@@ -26,7 +26,8 @@ caches' key windows, ``head_passes``), since MLX's CUDA backend builds a cuDNN g
 
 Random draws are keyed by (stream seed, output position, purpose) only, so a row's draws do not
 depend on the other rows, on when it joined, or on how the steps were cut.
-Rows join (prefilled alone, caches appended) and leave (caches filtered) between steps.
+Rows join (the joining prompts prefilled in one padded pass, caches appended) and leave (caches filtered)
+between steps.
 ``run_batch`` drives the steps; in its "auto" mode ``DraftPolicy`` decides before each step whether
 the rows draft, from the step times it has measured at that batch size.
 """
@@ -90,25 +91,30 @@ class BatchedMTP:
     def add_many(self, streams: Sequence[Stream], sids: Sequence[int]) -> None:
         """Prefill new streams, sample their first tokens, and append their rows to the batch.
 
-        Streams whose prompts have the same length are prefilled together in one (G, P) pass: every
-        row at the same length, so it is the stock batched forward with no padding."""
-        by_length: dict = {}
-        for s, sid in zip(streams, sids):
-            by_length.setdefault(len(s.prompt), []).append((s, sid))
-        for group in by_length.values():
-            self._prefill([s for s, _ in group], [sid for _, sid in group])
-
-    def _prefill(self, streams: List[Stream], sids: List[int]) -> None:
+        The prompts go through the backbone in one (G, P) pass, as BatchGenerator prefills a batch: a
+        prompt shorter than the longest is padded after its end, which no earlier position attends to,
+        and each row's padding is then undone as a rejected draft is (``undo_rows``: attention rows
+        trimmed, a recurrent layer's state replayed to the row's last prompt token). On a launch-bound
+        device one pass per prompt length cost what tens of decode steps do."""
         if self.ahead is not None:
             raise RuntimeError("a plain step was built ahead for the current rows: run it before rows join")
         m = self.m
         t0 = time.perf_counter()
-        cache = m.backbone.row_cache(max_pass=self.depth + 1, rows=len(streams))
-        prompts = mx.array([s.prompt for s in streams])
+        lengths = [len(s.prompt) for s in streams]
+        longest = max(lengths)
+        padded = min(lengths) < longest
+        # a padded pass is undone like a verify pass, so its recurrent layers record it
+        cache = m.backbone.row_cache(max_pass=max(self.depth + 1, longest if padded else 0), rows=len(streams))
+        prompts = mx.array([s.prompt + [0] * (longest - n) for s, n in zip(streams, lengths)])
         states = m.backbone.forward(prompts, cache)
-        last = m.logits(states[1][:, -1])  # [G, V]
+        if padded:
+            undo_rows(cache, lengths, longest)
+            last = mx.take_along_axis(states[1], mx.array([n - 1 for n in lengths])[:, None, None], axis=1)[:, 0]
+        else:
+            last = states[1][:, -1]
+        last = m.logits(last)  # [G, V]
         first = mx.concatenate([
-            choose(s.sampling, processed(s, last[r:r + 1], prompts[r]), draw_key(s.seed, 0, "verify"))
+            choose(s.sampling, processed(s, last[r:r + 1], prompts[r, :lengths[r]]), draw_key(s.seed, 0, "verify"))
             for r, s in enumerate(streams)])
         mx.eval(first)
         now = time.perf_counter()

@@ -45,6 +45,9 @@ class RowKVCache:
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.lengths: List[int] = list(lengths)
+        # ``lengths`` on the device, kept by device arithmetic while every row moves by the same count (a pass):
+        # a new array from the host list each step would be a host-to-device copy per layer per step
+        self._lengths_on_device: Optional[mx.array] = None
 
     @property
     def uniform(self) -> bool:
@@ -53,7 +56,16 @@ class RowKVCache:
     @property
     def offset(self) -> Union[int, mx.array]:
         """RoPE offset: an int when every row is at the same position (the stock path), else per row."""
-        return self.lengths[0] if self.uniform else mx.array(self.lengths)
+        return self.lengths[0] if self.uniform else self.lengths_array()
+
+    def lengths_array(self) -> mx.array:
+        """``lengths`` as a device array [B]."""
+        if self._lengths_on_device is None:
+            self._lengths_on_device = mx.array(self.lengths)
+        return self._lengths_on_device
+
+    def _set_lengths(self, lengths: List[int]) -> None:
+        self.lengths, self._lengths_on_device = lengths, None
 
     @property
     def state(self):
@@ -90,10 +102,11 @@ class RowKVCache:
             self.keys[..., start:end, :] = keys
             self.values[..., start:end, :] = values
         else:
-            at = (mx.array(self.lengths)[:, None] + mx.arange(S))[:, None, :, None]  # [B, 1, S, 1]
+            at = (self.lengths_array()[:, None] + mx.arange(S))[:, None, :, None]  # [B, 1, S, 1]
             self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(at, keys.shape), keys, axis=2)
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(at, values.shape), values, axis=2)
-        self.lengths = [n + S for n in self.lengths]
+        moved = None if self._lengths_on_device is None else self._lengths_on_device + S
+        self.lengths, self._lengths_on_device = [n + S for n in self.lengths], moved
         if S > 1:
             end = self.window(end)
         return self.keys[..., :end, :], self.values[..., :end, :]
@@ -110,14 +123,14 @@ class RowKVCache:
                 return None
         else:
             end = self.window(end)
-        lengths = mx.array(self.lengths)[:, None, None, None]
+        lengths = self.lengths_array()[:, None, None, None]
         return mx.arange(end) <= lengths + mx.arange(N)[:, None]
 
     def trim_rows(self, n: Sequence[int]) -> None:
         """Take back the last n[r] positions of row r."""
         if any(not 0 <= x <= length for x, length in zip(n, self.lengths)):
             raise ValueError(f"cannot trim {list(n)} from rows of lengths {self.lengths}")
-        self.lengths = [length - x for length, x in zip(self.lengths, n)]
+        self._set_lengths([length - x for length, x in zip(self.lengths, n)])
 
     def is_trimmable(self) -> bool:
         return True
@@ -128,7 +141,7 @@ class RowKVCache:
 
     def add_empty_row(self) -> None:
         """Append a row holding nothing yet."""
-        self.lengths.append(0)
+        self._set_lengths(self.lengths + [0])
         if self.keys is not None:
             self.keys = mx.concatenate([self.keys, mx.zeros((1,) + self.keys.shape[1:], self.keys.dtype)])
             self.values = mx.concatenate([self.values, mx.zeros((1,) + self.values.shape[1:], self.values.dtype)])
@@ -138,7 +151,7 @@ class RowKVCache:
         if self.keys is not None:
             idx = mx.array(list(rows))
             self.keys, self.values = self.keys[idx], self.values[idx]
-        self.lengths = [self.lengths[r] for r in rows]
+        self._set_lengths([self.lengths[r] for r in rows])
 
     def extend(self, other: "RowKVCache") -> None:
         """Append ``other``'s rows after this cache's (buffers padded to the longer one)."""
@@ -151,7 +164,7 @@ class RowKVCache:
             self.values = mx.concatenate([pad(self.values), pad(other.values)])
         else:
             self.keys, self.values = other.keys, other.values
-        self.lengths = self.lengths + other.lengths
+        self._set_lengths(self.lengths + other.lengths)
 
 
 class RowCacheList(CacheList):
