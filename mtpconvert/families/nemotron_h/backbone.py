@@ -92,9 +92,10 @@ class MambaRowRollbackCache(MambaRollbackCache):
     def rollback_rows(self, keep: Sequence[int]) -> None:
         """Row r keeps the first keep[r] tokens of the last pass (1 <= keep[r] <= its length).
 
-        mlx-lm's scan takes a left-padding mask only (its masked positions still feed the last position's state),
-        so the kept prefixes are cut per row instead: one scan per distinct cut (at most the pass's length) over
-        the rows that keep that many, each the single-row undo's scan, then the states back in row order."""
+        mlx-lm's scan masks left padding only: it returns the state at the pass's last position, and a masked last
+        position drops the kept positions' inputs too (only the decayed state before the pass is left). So the kept
+        prefixes are cut per row instead: one scan per distinct cut (at most the pass's length) over the rows that
+        keep that many, each the single-row undo's scan, then the states back in row order."""
         S = self.pass_length
         if any(not 1 <= k <= S for k in keep):
             raise ValueError(f"cannot keep {list(keep)} of a {S}-token pass")
