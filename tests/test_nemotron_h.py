@@ -3,7 +3,8 @@
 4-bit; stock mlx-lm loads the backbone and matches transformers' logits; every head tensor is kept unshifted with the
 experts in order; our head's forward equals one built from transformers' modules; mlx-vlm's splitter loads
 ``OUT/mtp`` strictly into its drafter and MTP-decodes to plain greedy's output; our runtime's greedy MTP equals plain
-greedy and the Mamba2 rollback is exact; ModelOpt FP8 converts exactly and NVFP4 is refused by name."""
+greedy and the Mamba2 rollback is exact; ``bench --concurrency`` runs batched MTP on it; ModelOpt FP8 converts
+exactly and NVFP4 is refused by name."""
 
 import json
 import re
@@ -289,12 +290,20 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, name
     assert full.head_next != full.head_next_without_mlp  # the MoE blocks were taken out
 
 
-def test_batched_decoding_is_refused_with_the_reason(converted):
+def test_bench_concurrency_runs_it_and_batched_mtp_is_the_plain_engines_greedy(converted):
+    """Batched MTP through the family's row caches (both head patterns: one attention block, and two sharing a
+    CacheList); the trained fixture's rows are checked token for token in tests/test_nemotron_h_batched.py."""
     from mtpconvert.api import bench
     from mtpconvert.options import BenchOptions
 
-    with pytest.raises(OptionsError, match="--concurrency: batched MTP does not run the nemotron_h family"):
-        bench(converted["float"], BenchOptions(concurrency=(1, 2), max_tokens=4))
+    report = bench(converted["float"], BenchOptions(concurrency=(1, 2), max_tokens=5)).to_json()
+    assert [r["concurrency"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["decoders"]["mtp"]["generated"] == 4 * row["concurrency"]
+        identical = row["greedy_identical_to_plain_engine"]
+        # not BatchGenerator's: it right-pads shorter prompts, and mlx-lm 0.32.2's Mamba2 scan there gets the padding
+        # mask without the row lengths (nemotron_h.py `_ssm`), so a shorter row's state loses its prompt
+        assert identical["mtp"] and identical["auto"], identical
 
 
 def test_in_model_layout_is_refused_naming_the_option(raw):

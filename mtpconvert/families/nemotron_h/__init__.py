@@ -340,7 +340,7 @@ FAMILY = Family(
     mtp_layouts=("sidecar",),
     head_prefix=HEAD_PREFIX,
     lm_head=LM_HEAD,
-    capabilities=Capabilities(batched=False, pre_norm_hidden=False),
+    capabilities=Capabilities(batched=True, pre_norm_hidden=False),
     backbone="mtpconvert.families.nemotron_h.backbone:NemotronHBackbone",
     compat="mtpconvert.families.nemotron_h.compat:rows",
     modules=ModulePaths("backbone.embeddings", "backbone.layers", "backbone.norm_f", "lm_head"),

@@ -13,11 +13,15 @@ one) and keeps references to what went in: the conv window and SSM state before 
 the post-conv ``x``, ``B``, ``C`` and ``dt``. ``rollback(keep)`` takes the conv window from the kept positions'
 inputs and re-runs mlx-lm's chunked scan (``ssm_attn``) over the ``keep`` kept positions from the saved state:
 what the stock forward leaves after only those positions (GatedDeltaNet's scheme, ``runtime.decoding.rollback``).
+
+For the batched engine (``row_cache``) attention blocks take ``RowKVCache``s (no RoPE here, so only their per-row
+lengths and masks matter) and Mamba2 blocks ``MambaRowRollbackCache``s: every row feeds the same number of tokens per
+pass, so the stock forward runs unmasked, and ``rollback_rows(keep)`` cuts each row's pass at its own keep.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,6 +32,7 @@ from mlx_lm.models.ssm import ssm_attn
 
 from ...runtime.backbone import TextModelBackbone
 from ...runtime.decoding.rollback import RollbackArraysCache
+from ...runtime.decoding.rowcache import RowKVCache
 from .head import NemotronHHead
 
 
@@ -51,19 +56,75 @@ class MambaRollbackCache(RollbackArraysCache):
         if not 1 <= keep <= self.pass_length:
             raise ValueError(f"cannot keep {keep} of a {self.pass_length}-token pass")
         if keep < self.pass_length:
-            if self.last_pass is None:
-                raise ValueError(f"a {self.pass_length}-token pass is longer than max_pass={self.max_pass}: not undoable")
-            p, m = self.last_pass, self.last_pass.mixer
-            n_window = m.conv_kernel_size - 1
-            b = p.x.shape[0]
-            _, state = ssm_attn(p.x[:, :keep].reshape(b, keep, m.num_heads, m.head_dim), m.A_log,
-                                p.B[:, :keep].reshape(b, keep, m.n_groups, m.ssm_state_size),
-                                p.C[:, :keep].reshape(b, keep, m.n_groups, m.ssm_state_size),
-                                m.D.astype(p.x.dtype), p.dt[:, :keep], m.dt_bias, p.state, m.time_step_limit)
-            self[0], self[1] = p.conv_input[:, keep: keep + n_window], state
+            p = self._undoable()
+            n_window = p.mixer.conv_kernel_size - 1
+            self[0], self[1] = p.conv_input[:, keep: keep + n_window], scan_prefix(p, keep)
             self.last_pass = p._replace(conv_input=p.conv_input[:, : keep + n_window], x=p.x[:, :keep],
                                         B=p.B[:, :keep], C=p.C[:, :keep], dt=p.dt[:, :keep])
         self.pass_length = keep
+
+    def _undoable(self) -> MambaPass:
+        if self.last_pass is None:
+            raise ValueError(f"a {self.pass_length}-token pass is longer than max_pass={self.max_pass}: not undoable")
+        return self.last_pass
+
+
+def scan_prefix(p: MambaPass, keep: int, rows: Optional[mx.array] = None) -> mx.array:
+    """The SSM state after the first ``keep`` positions of pass ``p`` (of ``rows`` only, when given): mlx-lm's
+    chunked scan (``ssm_attn``, what its forward runs over several positions) from the state before the pass."""
+    m = p.mixer
+    x, B, C, dt, state = p.x, p.B, p.C, p.dt, p.state
+    if rows is not None:
+        x, B, C, dt = x[rows], B[rows], C[rows], dt[rows]
+        state = None if state is None else state[rows]
+    b = x.shape[0]
+    _, state = ssm_attn(x[:, :keep].reshape(b, keep, m.num_heads, m.head_dim), m.A_log,
+                        B[:, :keep].reshape(b, keep, m.n_groups, m.ssm_state_size),
+                        C[:, :keep].reshape(b, keep, m.n_groups, m.ssm_state_size),
+                        m.D.astype(x.dtype), dt[:, :keep], m.dt_bias, state, m.time_step_limit)
+    return state
+
+
+class MambaRowRollbackCache(MambaRollbackCache):
+    """The Mamba2 cache of B rows for the batched engine, whose last pass is undone to a different prefix in every
+    row (``runtime.decoding.rowcache.RowRollbackCache`` is GatedDeltaNet's)."""
+
+    def rollback_rows(self, keep: Sequence[int]) -> None:
+        """Row r keeps the first keep[r] tokens of the last pass (1 <= keep[r] <= its length).
+
+        mlx-lm's scan masks left padding only: it returns the state at the pass's last position, and a masked last
+        position drops the kept positions' inputs too (only the decayed state before the pass is left). So the kept
+        prefixes are cut per row instead: one scan per distinct cut (at most the pass's length) over the rows that
+        keep that many, each the single-row undo's scan, then the states back in row order."""
+        S = self.pass_length
+        if any(not 1 <= k <= S for k in keep):
+            raise ValueError(f"cannot keep {list(keep)} of a {S}-token pass")
+        if len(set(keep)) == 1:  # one cut for all rows: the single-sequence undo
+            self.rollback(keep[0])
+            return
+        p = self._undoable()
+        cuts = sorted(set(keep))
+        order = [r for n in cuts for r, k in enumerate(keep) if k == n]  # rows grouped by cut
+        states = []
+        for n in cuts:
+            rows = mx.array([r for r, k in enumerate(keep) if k == n])
+            # rows that keep the whole pass keep the state the stock forward left
+            states.append(scan_prefix(p, n, rows) if n < S else self[1][rows])
+        back = mx.array(sorted(range(len(order)), key=order.__getitem__))  # row r's place in `order`
+        kept = mx.array(list(keep))
+        window = (kept[:, None] + mx.arange(p.mixer.conv_kernel_size - 1))[..., None]  # [B, K-1, 1]
+        self[0] = mx.take_along_axis(p.conv_input, window, axis=1)
+        self[1] = mx.concatenate(states)[back]
+        self.last_pass = None  # rows now end at different cuts: no single prefix to return to
+        self.pass_length = min(keep)
+
+    def filter(self, rows: Sequence[int]) -> None:
+        super().filter(mx.array(list(rows)))
+        self.last_pass, self.pass_length = None, 0
+
+    def extend(self, other: "MambaRowRollbackCache") -> None:
+        super().extend(other)
+        self.last_pass, self.pass_length = None, 0
 
 
 class RecordingMamba2Mixer(NemotronHMamba2Mixer):
@@ -124,6 +185,12 @@ class NemotronHBackbone(TextModelBackbone):
 
     def rollback_cache(self, max_pass: int) -> list:
         return [MambaRollbackCache(max_pass) if layer.block_type == "M" else KVCache()
+                for layer in self.layers if layer.block_type in "M*"]
+
+    def row_cache(self, max_pass: int, rows: int) -> list:
+        # the head's caches come from row_caches_like (its attention blocks' KVCaches); NemotronHHead refuses a head
+        # pattern with a Mamba2 block, whose state would need a per-row undo of its own
+        return [MambaRowRollbackCache(max_pass) if layer.block_type == "M" else RowKVCache([0] * rows)
                 for layer in self.layers if layer.block_type in "M*"]
 
     def make_head(self, num_layers: int) -> nn.Module:
