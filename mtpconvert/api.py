@@ -406,7 +406,8 @@ def _bench_concurrency(path: Path, options: BenchOptions, sampling, on_tokens, e
     family = family_for(open_checkpoint(path).config)
     if not family.capabilities.batched:
         raise OptionsError(f"--concurrency: batched MTP does not run the {family.name} family "
-                           f"({family.head.forward} head): it benches one stream at a time (leave --concurrency out)")
+                           f"({family.head.forward} head): it benches one stream at a time (leave --concurrency out)"
+                           f"{family.capabilities.batched_refusal()}")
     m = load(path)
     if options.cuda_qmv:
         from .runtime.decoding import cuda_qmv as kernel

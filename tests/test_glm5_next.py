@@ -342,3 +342,29 @@ def test_a_nextn_layer_with_its_own_vocabulary_or_past_the_count_is_refused(rele
     with pytest.raises(LayoutError, match="own embed_tokens / shared_head.head") as e:
         api.plan(src, OPTIONS["float32"])
     assert e.value.key == extra
+
+
+def test_batched_decoding_is_refused_with_the_reason(converted):
+    """The refusals name the blocking cache kind, and the mechanism is what they say on the loaded model: the indexer
+    of its sparse-attention layers and of its head pools keys into mlx-vlm's PoolingCache, whose speculative
+    transaction refuses a ragged commit over a real two-row pass. Should mlx-vlm come to cut it per row, this fails
+    and the family can be batched."""
+    from mtpconvert.errors import OptionsError
+    from mtpconvert.options import BenchOptions
+    from mtpconvert.runtime.decoding.batched import Stream, run_batch
+    from mtpconvert.runtime.decoding.load import load
+    from tests.vlm_ragged import kinds, ragged_commit
+
+    folder = converted["float32"]
+    reason = r"one stream at a time: the indexer of its sparse-attention layers and of its head .* PoolingCache"
+    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the glm5_next family.*PoolingCache"):
+        api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
+    m = load(folder)
+    with pytest.raises(ValueError, match=r"batched MTP does not run the glm5_next family.*" + reason):
+        run_batch(m, [Stream(IDS[:8], 4)], 1, "mtp")
+    with pytest.raises(ValueError, match="PoolingCache"):
+        m.backbone.row_cache(max_pass=2, rows=2)
+
+    assert "PoolingCache" in kinds(m.backbone.make_cache()) and "PoolingCache" in kinds(m.head.make_cache())
+    chosen, error = ragged_commit(m, "PoolingCache", [IDS[:8], IDS[2:10]], keep=[1, 3], fed=[IDS[10:13], IDS[11:14]])
+    assert chosen and isinstance(error, ValueError) and "requires uniform batch commit lengths" in str(error)

@@ -323,15 +323,28 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, opti
 
 
 def test_batched_decoding_is_refused_with_the_reason(converted):
-    """Its caches (mlx-vlm's, undone by a speculative transaction) have no per-row twins: `bench --concurrency`
-    names the option, and the engine refuses before touching a cache."""
+    """The refusals name the blocking cache kind, and the mechanism is what they say on the loaded model: the backbone's
+    attention layers and the head keep mlx-vlm's QSAKVCache, and a ragged commit of mlx-vlm's speculative transaction
+    over a real two-row pass keeps the longer row's cut in both rows (the first row's rejected keys stay). Should
+    mlx-vlm come to cut such a cache per row, this fails and the family can be batched."""
     from mtpconvert.errors import OptionsError
     from mtpconvert.options import BenchOptions
     from mtpconvert.runtime.decoding.batched import Stream, run_batch
     from mtpconvert.runtime.decoding.load import load
+    from tests.vlm_ragged import kinds, ragged_commit
 
     folder = converted["per-expert", "float32"]
-    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the qwen4_exp family"):
+    reason = r"one stream at a time.*: its attention layers and its head keep mlx-vlm's QSAKVCache"
+    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the qwen4_exp family.*QSAKVCache"):
         api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
-    with pytest.raises(ValueError, match=r"batched MTP does not run the qwen4_exp family"):
-        run_batch(load(folder), [Stream(IDS[:8], 4)], 1, "mtp")
+    m = load(folder)
+    with pytest.raises(ValueError, match=r"batched MTP does not run the qwen4_exp family.*" + reason):
+        run_batch(m, [Stream(IDS[:8], 4)], 1, "mtp")
+    with pytest.raises(ValueError, match="QSAKVCache"):
+        m.backbone.row_cache(max_pass=2, rows=2)
+
+    assert "QSAKVCache" in kinds(m.backbone.make_cache()) and kinds(m.head.make_cache()) == {"QSAKVCache"}
+    prompt = [IDS[:8], IDS[2:10]]
+    chosen, error = ragged_commit(m, "QSAKVCache", prompt, keep=[1, 3], fed=[IDS[10:13], IDS[11:14]])
+    assert error is None and chosen
+    assert all(c.offset == len(prompt[0]) + 3 for c in chosen)  # one cursor: the first row keeps 3, not 1

@@ -107,6 +107,12 @@ HEAD = HeadDesign(
     norms_zero_centred=True,
 )
 
+BATCHED_BLOCKER = (
+    "its attention layers and its head keep mlx-vlm's QSAKVCache (keys with the QSA indexer's), one write cursor "
+    "for all rows: a ragged commit of mlx-vlm's speculative transaction keeps the longest row's cut in every row, "
+    "the other rows' rejected keys staying visible; its batch twin BatchQSAKVCache is left-padded and cuts a row "
+    "by rolling the row's rejected tail into its padding, with no per-row trim to take back a head pass's padding")
+
 FAMILY = Family(
     name="qwen4_exp",
     title="Qwen3.8-Flash-Next (hyper-connections, n-gram embeddings, sparse attention, MoE)",
@@ -117,7 +123,7 @@ FAMILY = Family(
     mtp_layouts=("sidecar",),
     head_prefix=HEAD_PREFIX,
     lm_head=LM_HEAD,
-    capabilities=Capabilities(batched=False, pre_norm_hidden=False),
+    capabilities=Capabilities(batched=False, pre_norm_hidden=False, batched_blocker=BATCHED_BLOCKER),
     backbone="mtpconvert.families.qwen4_exp.backbone:Qwen4ExpBackbone",
     compat="mtpconvert.families.qwen4_exp.compat:rows",
     spec=model_spec,
