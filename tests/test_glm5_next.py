@@ -344,27 +344,55 @@ def test_a_nextn_layer_with_its_own_vocabulary_or_past_the_count_is_refused(rele
     assert e.value.key == extra
 
 
-def test_batched_decoding_is_refused_with_the_reason(converted):
-    """The refusals name the blocking cache kind, and the mechanism is what they say on the loaded model: the indexer
-    of its sparse-attention layers and of its head pools keys into mlx-vlm's PoolingCache, whose speculative
-    transaction refuses a ragged commit over a real two-row pass. Should mlx-vlm come to cut it per row, this fails
-    and the family can be batched."""
+
+@pytest.mark.parametrize("option", ["float32", "q4", "bf16"])
+def test_batched_rows_equal_solo_greedy(converted, option, monkeypatch):
+    """Batched MTP through the family's adapter (``rows.py``: right-aligned sparse-attention rows, mlx-vlm's
+    ArraysCache committing each row's prefix): rows of different prompt lengths joining at different steps and
+    leaving, plain and drafting rows in one step, depth 1 and 2; every greedy row's tokens equal the plain batched
+    engine's and its solo plain greedy decode. Each row's draft is replaced, at 70% of its positions, by the token
+    its solo decode emits there (the head still runs, so its cache is what it always is): rows then keep different
+    numbers of drafts in one step."""
+    import random
+
+    from tests.test_batched import Alternate, assert_not_degenerate, mixed_streams
+    from mtpconvert.runtime.decoding import batched
+    from mtpconvert.runtime.decoding.batched import run_batch
+    from mtpconvert.runtime.decoding.load import load
+    from mtpconvert.runtime.decoding.speculative import plain_generate
+
+    m = load(converted[option])
+    prompts = [IDS[i % 3: 5 + i] for i in range(6)]
+    solo = [plain_generate(m, p, 30)[0] for p in prompts]
+    head_draft = batched.BatchedMTP._draft
+
+    def draft_solo_tokens(engine, drafting):
+        drafts, q = head_draft(engine, drafting)
+        rows = drafts.tolist()
+        for r, s in enumerate(engine.streams):
+            for j in range(engine.depth):
+                at = len(s.out) + j
+                if at < len(solo[s.seed]) and random.Random(f"{s.seed}/{at}").random() < 0.7:
+                    rows[r][j] = solo[s.seed][at]
+        return mx.array(rows), q
+
+    monkeypatch.setattr(batched.BatchedMTP, "_draft", draft_solo_tokens)
+    for depth in (1, 2):
+        join_at = [i // 2 for i in range(6)]
+        mtp = mixed_streams(prompts, 6)
+        assert_not_degenerate(run_batch(m, mtp, depth, "mtp", join_at=join_at, policy=Alternate()))
+        plain = mixed_streams(prompts, 6)
+        run_batch(m, plain, depth, "plain", join_at=join_at)
+        for i, (a, b) in enumerate(zip(mtp, plain)):
+            assert a.out == b.out == solo[i][: len(a.out)], (depth, i)
+
+
+def test_bench_concurrency_is_refused_naming_its_baseline(converted):
+    """The batched bench divides by mlx-lm's BatchGenerator, which cannot run an mlx-vlm model (it reads logits off
+    the model's call, and mlx-vlm's returns an output object): refused before loading, naming the baseline."""
     from mtpconvert.errors import OptionsError
     from mtpconvert.options import BenchOptions
-    from mtpconvert.runtime.decoding.batched import Stream, run_batch
-    from mtpconvert.runtime.decoding.load import load
-    from tests.vlm_ragged import kinds, ragged_commit
 
-    folder = converted["float32"]
-    reason = r"one stream at a time: the indexer of its sparse-attention layers and of its head .* PoolingCache"
-    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the glm5_next family.*PoolingCache"):
-        api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
-    m = load(folder)
-    with pytest.raises(ValueError, match=r"batched MTP does not run the glm5_next family.*" + reason):
-        run_batch(m, [Stream(IDS[:8], 4)], 1, "mtp")
-    with pytest.raises(ValueError, match="PoolingCache"):
-        m.backbone.row_cache(max_pass=2, rows=2)
-
-    assert "PoolingCache" in kinds(m.backbone.make_cache()) and "PoolingCache" in kinds(m.head.make_cache())
-    chosen, error = ragged_commit(m, "PoolingCache", [IDS[:8], IDS[2:10]], keep=[1, 3], fed=[IDS[10:13], IDS[11:14]])
-    assert chosen and isinstance(error, ValueError) and "requires uniform batch commit lengths" in str(error)
+    with pytest.raises(OptionsError, match=r"--concurrency: the batched bench's baseline, mlx-lm's BatchGenerator, "
+                                           r"does not run the glm5_next backbone \(mlx-vlm's model\)"):
+        api.bench(converted["float32"], BenchOptions(concurrency=(1, 2), max_tokens=4))

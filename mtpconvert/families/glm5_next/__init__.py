@@ -191,12 +191,6 @@ HEAD = HeadDesign(
     norms_zero_centred=False,
 )
 
-BATCHED_BLOCKER = (
-    "the indexer of its sparse-attention layers and of its head pools keys into mlx-vlm's PoolingCache, which keeps "
-    "one cut for all rows: its speculative transaction refuses a ragged commit ('PoolingCache requires uniform batch "
-    "commit lengths') and its trim takes back no completed pool; mlx-vlm's BatchPoolingCache cuts rows only by "
-    "committing a transaction, not by the per-row trims the engine gives the head's cache")
-
 FAMILY = Family(
     name="glm5_next",
     title="GLM-5.3-Flash (linear + sparse attention, hyper-connections, MoE), nextn head",
@@ -207,7 +201,7 @@ FAMILY = Family(
     mtp_layouts=("sidecar",),
     head_prefix=HEAD_PREFIX,
     lm_head=LM_HEAD,
-    capabilities=Capabilities(batched=False, pre_norm_hidden=False, batched_blocker=BATCHED_BLOCKER),
+    capabilities=Capabilities(batched=True, pre_norm_hidden=False),
     backbone="mtpconvert.families.glm5_next.backbone:Glm5NextBackbone",
     compat="mtpconvert.families.glm5_next.compat:rows",
     spec=model_spec,

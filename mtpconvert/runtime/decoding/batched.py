@@ -120,7 +120,9 @@ class BatchedMTP:
             s.first_token_s = now
         if self.cache is None:
             self.cache = cache
-            self.head_cache = row_caches_like(m.head.make_cache(), 0)  # the head's attention kind, per row
+            # the head's attention kind, per row: twins of mlx-lm's caches, or the head's own per-row kind
+            row_cache = getattr(m.head, "row_cache", None)
+            self.head_cache = row_cache(0) if row_cache else row_caches_like(m.head.make_cache(), 0)
         else:
             for mine, new in zip(self.cache, cache):
                 mine.extend(new)

@@ -244,7 +244,7 @@ def undo_rows(cache: list, keep: Sequence[int], length: int) -> None:
     if all(k == length for k in keep):
         return
     for c in cache:
-        if isinstance(c, RowRollbackCache):
+        if hasattr(c, "rollback_rows"):  # a recurrent layer (RowRollbackCache, or a family's own kind)
             c.rollback_rows(keep)
         else:
             c.trim_rows([length - k for k in keep])
