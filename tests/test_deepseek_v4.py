@@ -438,7 +438,7 @@ def test_batched_decoding_is_refused_with_the_reason(converted):
     from mtpconvert.options import BenchOptions
     from mtpconvert.runtime.decoding.batched import Stream, run_batch
     from mtpconvert.runtime.decoding.load import load
-    from tests.vlm_ragged import kinds, ragged_commit
+    from tests.vlm_rows import kinds, ragged_commit
 
     folder = converted["bf16", "float32"]
     reason = r"one stream at a time: its sliding-window attention .* RotatingKVCache.* PoolingCache"

@@ -348,43 +348,12 @@ def test_a_nextn_layer_with_its_own_vocabulary_or_past_the_count_is_refused(rele
 @pytest.mark.parametrize("option", ["float32", "q4", "bf16"])
 def test_batched_rows_equal_solo_greedy(converted, option, monkeypatch):
     """Batched MTP through the family's adapter (``rows.py``: right-aligned sparse-attention rows, mlx-vlm's
-    ArraysCache committing each row's prefix): rows of different prompt lengths joining at different steps and
-    leaving, plain and drafting rows in one step, depth 1 and 2; every greedy row's tokens equal the plain batched
-    engine's and its solo plain greedy decode. Each row's draft is replaced, at 70% of its positions, by the token
-    its solo decode emits there (the head still runs, so its cache is what it always is): rows then keep different
-    numbers of drafts in one step."""
-    import random
-
-    from tests.test_batched import Alternate, assert_not_degenerate, mixed_streams
-    from mtpconvert.runtime.decoding import batched
-    from mtpconvert.runtime.decoding.batched import run_batch
+    ArraysCache committing each row's prefix): rows of different prompt lengths, longer than ``index_topk`` as they
+    decode (the indexer selects pools), equal the plain batched engine's and their solo plain greedy decodes."""
     from mtpconvert.runtime.decoding.load import load
-    from mtpconvert.runtime.decoding.speculative import plain_generate
+    from tests.vlm_rows import assert_batched_rows_equal_solo
 
-    m = load(converted[option])
-    prompts = [IDS[i % 3: 5 + i] for i in range(6)]
-    solo = [plain_generate(m, p, 30)[0] for p in prompts]
-    head_draft = batched.BatchedMTP._draft
-
-    def draft_solo_tokens(engine, drafting):
-        drafts, q = head_draft(engine, drafting)
-        rows = drafts.tolist()
-        for r, s in enumerate(engine.streams):
-            for j in range(engine.depth):
-                at = len(s.out) + j
-                if at < len(solo[s.seed]) and random.Random(f"{s.seed}/{at}").random() < 0.7:
-                    rows[r][j] = solo[s.seed][at]
-        return mx.array(rows), q
-
-    monkeypatch.setattr(batched.BatchedMTP, "_draft", draft_solo_tokens)
-    for depth in (1, 2):
-        join_at = [i // 2 for i in range(6)]
-        mtp = mixed_streams(prompts, 6)
-        assert_not_degenerate(run_batch(m, mtp, depth, "mtp", join_at=join_at, policy=Alternate()))
-        plain = mixed_streams(prompts, 6)
-        run_batch(m, plain, depth, "plain", join_at=join_at)
-        for i, (a, b) in enumerate(zip(mtp, plain)):
-            assert a.out == b.out == solo[i][: len(a.out)], (depth, i)
+    assert_batched_rows_equal_solo(load(converted[option]), [IDS[i % 3: 5 + i] for i in range(6)], monkeypatch)
 
 
 def test_bench_concurrency_is_refused_naming_its_baseline(converted):

@@ -24,9 +24,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.glm5_next.language import DecoderLayer
 
+from ...runtime.vlm_rows import RowArraysCache, begin_passes
 from ..qwen4_exp.backbone import Qwen4ExpBackbone
 from .head import Glm5NextHead, head_weights
-from .rows import RowArraysCache, SparseRows
+from .rows import SparseRows
 
 
 class Glm5NextBackbone(Qwen4ExpBackbone):
@@ -78,9 +79,7 @@ class Glm5NextBackbone(Qwen4ExpBackbone):
     def forward(self, tokens: mx.array, cache: list):
         """mlx-vlm's forward; over per-row caches (``row_cache``) a pass of 2..max_pass tokens is recorded in every
         linear-attention layer, so that each row can keep its own prefix of it."""
-        for c in cache:
-            if isinstance(c, RowArraysCache):
-                c.begin(tokens.shape[1], undoable=1 < tokens.shape[1] <= c.max_pass)
+        begin_passes(cache, tokens.shape[1])
         return super().forward(tokens, cache)
 
     def row_cache(self, max_pass: int, rows: int) -> list:

@@ -14,9 +14,7 @@ its indexer have no RoPE: a row's keys may sit anywhere as long as their order i
     mlx-vlm's projected-key cache is never matched (``size`` -1), so a long pass projects the latents it reads.
     A row is cut (``trim_rows``) by shifting it right by what it drops beyond the batch's common cut: its dropped
     positions become its padding, as mlx-vlm's ``BatchKVCache.finalize`` rolls a ragged tail.
-``RowArraysCache``  a linear-attention layer: mlx-vlm's ``ArraysCache``, whose speculative transaction records the
-    recurrent state and convolution window after each position of a pass and keeps each row's own prefix on commit
-    (``rollback_rows``); the backbone starts one for every pass of 2..max_pass tokens (``begin``).
+A linear-attention layer keeps mlx-vlm's ``ArraysCache`` (``runtime.vlm_rows.RowArraysCache``).
 """
 
 from __future__ import annotations
@@ -24,41 +22,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_vlm.models.cache import ArraysCache
-
-
-class RowArraysCache(ArraysCache):
-    """A linear-attention layer's conv window and recurrent state for B rows; a pass of up to ``max_pass`` tokens is
-    undone per row by mlx-vlm's own speculative commit."""
-
-    def __init__(self, max_pass: int):
-        super().__init__(size=2)
-        self.max_pass = max_pass
-
-    def begin(self, length: int, undoable: bool) -> None:
-        """Before a pass of ``length`` tokens: close the last pass (kept whole) and record this one if ``undoable``."""
-        self.close()
-        if undoable:
-            self.start_speculation(length)
-
-    def close(self) -> None:
-        if self._speculation is not None:
-            self.commit_speculation([self._speculation["length"]] * self.batch_size)
-
-    def rollback_rows(self, keep: Sequence[int]) -> None:
-        """Row r keeps the first keep[r] tokens of the last pass."""
-        if self._speculation is None:
-            raise ValueError("the last pass was not recorded (longer than max_pass)")
-        self.commit_speculation(list(keep))
-
-    def filter(self, rows: Sequence[int]) -> None:
-        self.close()
-        super().filter(mx.array(list(rows)))
-
-    def extend(self, other: "RowArraysCache") -> None:
-        self.close()
-        other.close()
-        super().extend(other)
 
 
 class SparseRows:

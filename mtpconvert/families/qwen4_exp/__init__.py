@@ -108,10 +108,11 @@ HEAD = HeadDesign(
 )
 
 BATCHED_BLOCKER = (
-    "its attention layers and its head keep mlx-vlm's QSAKVCache (keys with the QSA indexer's), one write cursor "
-    "for all rows: a ragged commit of mlx-vlm's speculative transaction keeps the longest row's cut in every row, "
-    "the other rows' rejected keys staying visible; its batch twin BatchQSAKVCache is left-padded and cuts a row "
-    "by rolling the row's rejected tail into its padding, with no per-row trim to take back a head pass's padding")
+    "its attention layers and its head keep mlx-vlm's QSAKVCache, one write cursor for all rows (a ragged commit of "
+    "mlx-vlm's speculative transaction keeps the longest row's cut in every row), and mlx-vlm's one per-row twin of "
+    "it, the left-padded BatchQSAKVCache, decodes a one-token pass with a padded row otherwise than that row alone "
+    "once the QSA indexer selects blocks (its two-token passes are exact): the plain steps of rows of different "
+    "lengths would not be their solo decode")
 
 FAMILY = Family(
     name="qwen4_exp",
