@@ -35,9 +35,8 @@ class SparseRows:
         self.latent: Optional[mx.array] = None  # [B, 1, size, kv_lora_rank]
         self.index_keys: Optional[mx.array] = None  # [B, size, index_head_dim]
         self.index_gates: Optional[mx.array] = None
-        views = [_Latents(self), _Validity(self), _Pools(self), _NoProjection()] if index_kpool else \
+        self.caches = [_Latents(self), _Validity(self), _Pools(self), _NoProjection()] if index_kpool else \
             [_Latents(self), _NoProjection()]
-        self.caches = views
 
     def __getitem__(self, i):
         return self.caches[i]
@@ -56,11 +55,11 @@ class SparseRows:
     def state(self):
         return [x for x in (self.latent, self.index_keys, self.index_gates) if x is not None]
 
-    def _arrays(self):
-        return [("latent", 2), ("index_keys", 1), ("index_gates", 1)]
+    # the arrays a row operation applies to, and their position axis
+    ARRAYS = (("latent", 2), ("index_keys", 1), ("index_gates", 1))
 
     def _map(self, fn) -> None:
-        for name, axis in self._arrays():
+        for name, axis in self.ARRAYS:
             x = getattr(self, name)
             if x is not None:
                 setattr(self, name, fn(x, axis))
@@ -107,7 +106,7 @@ class SparseRows:
                 c._map(lambda x, axis: mx.concatenate(
                     [mx.zeros(x.shape[:axis] + (grow,) + x.shape[axis + 1:], x.dtype), x], axis=axis))
                 c.pad, c.size = [p + grow for p in c.pad], size
-        for name, axis in self._arrays():
+        for name, axis in self.ARRAYS:
             a, b = getattr(self, name), getattr(other, name)
             if a is None and b is None:
                 continue
