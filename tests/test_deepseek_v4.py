@@ -426,3 +426,35 @@ def test_add_mtp_grafts_the_fp8_releases_head_onto_a_headless_folder(hub, releas
                                                                    "bfloat16", "--no-smoke"])
     assert "mtp.decoder.ffn.switch_mlp.gate_proj.weight" in grafted  # stacked, dequantized: no source format left
     assert not {dtype for dtype, _, _ in grafted.values()} & {"F8_E4M3", "F8_E8M0", "I8"}
+
+
+def test_batched_decoding_is_refused_with_the_reason(converted):
+    """The refusals name the blocking cache kinds, and the mechanism is what they say on the loaded model: its
+    sliding-window attention (backbone and head) keeps mlx-vlm's RotatingKVCache and its compressed layers
+    PoolingCache, and mlx-vlm's speculative transaction refuses a ragged commit of either over a real two-row pass;
+    mlx-vlm's own model says it needs uniform acceptance. Should mlx-vlm come to cut them per row, this fails and the
+    family can be batched."""
+    from mtpconvert.errors import OptionsError
+    from mtpconvert.options import BenchOptions
+    from mtpconvert.runtime.decoding.batched import Stream, run_batch
+    from mtpconvert.runtime.decoding.load import load
+    from tests.vlm_rows import kinds, ragged_commit
+
+    folder = converted["bf16", "float32"]
+    reason = r"one stream at a time: its sliding-window attention .* RotatingKVCache.* PoolingCache"
+    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the deepseek_v4 family.*Rotating"):
+        api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
+    m = load(folder)
+    with pytest.raises(ValueError, match=r"batched MTP does not run the deepseek_v4 family.*" + reason):
+        run_batch(m, [Stream(IDS[:8], 4)], 1, "mtp")
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        m.backbone.row_cache(max_pass=2, rows=2)
+
+    assert {"RotatingKVCache", "PoolingCache"} <= kinds(m.backbone.make_cache())
+    assert kinds(m.head.make_cache()) == {"RotatingKVCache"}
+    assert m.backbone.text.requires_uniform_batch_acceptance
+    rows, keep, fed = [IDS[:8], IDS[2:10]], [1, 3], [IDS[10:13], IDS[11:14]]
+    chosen, error = ragged_commit(m, "RotatingKVCache", rows, keep, fed)
+    assert chosen and isinstance(error, RuntimeError) and "requires uniform acceptance" in str(error)
+    chosen, error = ragged_commit(m, "PoolingCache", rows, keep, fed)
+    assert chosen and isinstance(error, ValueError) and "requires uniform batch commit lengths" in str(error)

@@ -342,3 +342,26 @@ def test_a_nextn_layer_with_its_own_vocabulary_or_past_the_count_is_refused(rele
     with pytest.raises(LayoutError, match="own embed_tokens / shared_head.head") as e:
         api.plan(src, OPTIONS["float32"])
     assert e.value.key == extra
+
+
+
+@pytest.mark.parametrize("option", ["float32", "q4", "bf16"])
+def test_batched_rows_equal_solo_greedy(converted, option, monkeypatch):
+    """Batched MTP through the family's adapter (``rows.py``: right-aligned sparse-attention rows, mlx-vlm's
+    ArraysCache committing each row's prefix): rows of different prompt lengths, longer than ``index_topk`` as they
+    decode (the indexer selects pools), equal the plain batched engine's and their solo plain greedy decodes."""
+    from mtpconvert.runtime.decoding.load import load
+    from tests.vlm_rows import assert_batched_rows_equal_solo
+
+    assert_batched_rows_equal_solo(load(converted[option]), [IDS[i % 3: 5 + i] for i in range(6)], monkeypatch)
+
+
+def test_bench_concurrency_is_refused_naming_its_baseline(converted):
+    """The batched bench divides by mlx-lm's BatchGenerator, which cannot run an mlx-vlm model (it reads logits off
+    the model's call, and mlx-vlm's returns an output object): refused before loading, naming the baseline."""
+    from mtpconvert.errors import OptionsError
+    from mtpconvert.options import BenchOptions
+
+    with pytest.raises(OptionsError, match=r"--concurrency: the batched bench's baseline, mlx-lm's BatchGenerator, "
+                                           r"does not run the glm5_next backbone \(mlx-vlm's model\)"):
+        api.bench(converted["float32"], BenchOptions(concurrency=(1, 2), max_tokens=4))

@@ -323,15 +323,68 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, opti
 
 
 def test_batched_decoding_is_refused_with_the_reason(converted):
-    """Its caches (mlx-vlm's, undone by a speculative transaction) have no per-row twins: `bench --concurrency`
-    names the option, and the engine refuses before touching a cache."""
+    """The refusals name the blocking cache kind, and the mechanism is what they say on the loaded model: the backbone's
+    attention layers and the head keep mlx-vlm's QSAKVCache, a ragged commit of mlx-vlm's speculative transaction
+    over a real two-row pass keeps the longer row's cut in both rows; and mlx-vlm's left-padded batch of two rows of
+    different lengths (its own merge of their caches) decodes one-token passes otherwise than each row alone once
+    the indexer selects blocks, where its two-token passes equal the rows' one-token solo steps exactly. Should
+    mlx-vlm come to cut QSAKVCache per row or decode padded rows as alone, this fails and the family can be batched."""
+    from mlx_vlm.models.cache import ArraysCache
+    from mlx_vlm.models.qwen4_exp.language import BatchQSAKVCache, QSAKVCache
+
     from mtpconvert.errors import OptionsError
     from mtpconvert.options import BenchOptions
     from mtpconvert.runtime.decoding.batched import Stream, run_batch
     from mtpconvert.runtime.decoding.load import load
+    from tests.vlm_rows import kinds, ragged_commit
 
     folder = converted["per-expert", "float32"]
-    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the qwen4_exp family"):
+    reason = r"one stream at a time: its attention layers and its head keep mlx-vlm's QSAKVCache.*BatchQSAKVCache"
+    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the qwen4_exp family.*QSAKVCache"):
         api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
-    with pytest.raises(ValueError, match=r"batched MTP does not run the qwen4_exp family"):
-        run_batch(load(folder), [Stream(IDS[:8], 4)], 1, "mtp")
+    m = load(folder)
+    with pytest.raises(ValueError, match=r"batched MTP does not run the qwen4_exp family.*" + reason):
+        run_batch(m, [Stream(IDS[:8], 4)], 1, "mtp")
+    with pytest.raises(ValueError, match="QSAKVCache"):
+        m.backbone.row_cache(max_pass=2, rows=2)
+
+    assert "QSAKVCache" in kinds(m.backbone.make_cache()) and kinds(m.head.make_cache()) == {"QSAKVCache"}
+    prompt = [IDS[:8], IDS[2:10]]
+    chosen, error = ragged_commit(m, "QSAKVCache", prompt, keep=[1, 3], fed=[IDS[10:13], IDS[11:14]])
+    assert error is None and chosen
+    assert all(c.offset == len(prompt[0]) + 3 for c in chosen)  # one cursor: the first row keeps 3, not 1
+
+    rows = [IDS[1:6], IDS[3:11]]  # 5 and 8 tokens: the first row left-padded by 3 in the batch
+    fed = [[[(7 * i + 3) % 400 + 20], [(11 * i + 5) % 400 + 20]] for i in range(12)]
+
+    def logits(tokens, cache):
+        return m.logits(m.backbone.forward(mx.array(tokens), cache)[1])
+
+    def prefilled():
+        caches = []
+        for r in rows:
+            caches.append(m.backbone.make_cache())
+            m.backbone.forward(mx.array([r]), caches[-1])
+        return caches
+
+    def batch_of(solo):
+        return [BatchQSAKVCache.merge(list(c)) if isinstance(c[0], QSAKVCache) else ArraysCache.merge(list(c))
+                for c in zip(*solo)]
+
+    solo, padded = prefilled(), batch_of(prefilled())
+    apart = []
+    for step in fed:
+        alone = [logits([t], c)[0, 0] for t, c in zip(step, solo)]
+        together = logits(step, padded)[:, 0]
+        apart.append(max(mx.max(mx.abs(together[r] - alone[r])).item() for r in range(2)))
+    assert apart[0] == 0 and max(apart) > 1e-4, apart  # equal until the indexer selects, then apart
+
+    solo, padded = prefilled(), batch_of(prefilled())
+    paired = []
+    for a, b in zip(fed[::2], fed[1::2]):  # the same tokens as two-token passes
+        pairs = [[a[r][0], b[r][0]] for r in range(2)]
+        together = logits(pairs, padded)
+        paired.append(max(mx.max(mx.abs(together[r, j] - logits([[pairs[r][j]]], c)[0, 0])).item()
+                          for r, c in enumerate(solo) for j in range(2)))
+    print("one-token passes, max |batch - alone| per step:", apart, "two-token passes:", paired)
+    assert max(paired) < max(apart) / 100, (paired, apart)  # rounding, where one-token passes differ in kind

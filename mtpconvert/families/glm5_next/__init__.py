@@ -201,7 +201,7 @@ FAMILY = Family(
     mtp_layouts=("sidecar",),
     head_prefix=HEAD_PREFIX,
     lm_head=LM_HEAD,
-    capabilities=Capabilities(batched=False, pre_norm_hidden=False),
+    capabilities=Capabilities(batched=True, pre_norm_hidden=False),
     backbone="mtpconvert.families.glm5_next.backbone:Glm5NextBackbone",
     compat="mtpconvert.families.glm5_next.compat:rows",
     spec=model_spec,

@@ -24,8 +24,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_vlm.models.glm5_next.language import DecoderLayer
 
+from ...runtime.vlm_rows import RowArraysCache, begin_passes
 from ..qwen4_exp.backbone import Qwen4ExpBackbone
 from .head import Glm5NextHead, head_weights
+from .rows import SparseRows
 
 
 class Glm5NextBackbone(Qwen4ExpBackbone):
@@ -73,6 +75,19 @@ class Glm5NextBackbone(Qwen4ExpBackbone):
 
     def new_layer(self, index: int) -> nn.Module:
         return DecoderLayer(self.args, index)
+
+    def forward(self, tokens: mx.array, cache: list):
+        """mlx-vlm's forward; over per-row caches (``row_cache``) a pass of 2..max_pass tokens is recorded in every
+        linear-attention layer, so that each row can keep its own prefix of it."""
+        begin_passes(cache, tokens.shape[1])
+        return super().forward(tokens, cache)
+
+    def row_cache(self, max_pass: int, rows: int) -> list:
+        """Per-row caches (``rows.py``): mlx-vlm's ArraysCache with its per-row speculative commit for the linear
+        layers, right-aligned rows for the sparse-attention ones."""
+        return [RowArraysCache(max_pass) if layer.is_linear
+                else SparseRows(rows, layer.self_attn.indexer.index_kpool if layer.self_attn.indexer else None)
+                for layer in self.layers]
 
     def attention_cache(self, cache: list):
         """A sparse-attention layer's latent cache: its offset is the tokens the model has seen."""

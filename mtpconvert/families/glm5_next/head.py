@@ -60,6 +60,12 @@ class Glm5NextHead(nn.Module):
         kpool = self.mtp_block.self_attn.indexer.index_kpool
         return [CacheList(KVCache(), KVCache(), PoolingCache(kpool), KVCache())]
 
+    def row_cache(self, rows: int) -> list:
+        """The batched engine's per-row twin of ``make_cache`` (``rows.SparseRows``)."""
+        from .rows import SparseRows
+
+        return [SparseRows(rows, self.mtp_block.self_attn.indexer.index_kpool)]
+
     def readout(self, state: mx.array) -> mx.array:
         """What the output projection reads of a head state: the state itself (``shared_head_norm`` is applied)."""
         return state
@@ -69,8 +75,8 @@ class Glm5NextHead(nn.Module):
         """hidden: the backbone's post-norm states h_t [B, L, H]; next_embeddings: embed(t+1) [B, L, H]. Returns the
         head's state after ``shared_head_norm``."""
         c = cache[0] if cache is not None else None
-        start = c[0].offset if c is not None else 0
-        positions = mx.arange(next_embeddings.shape[1]) + start
-        e = mx.where((positions == 0)[None, :, None], 0, next_embeddings)
+        start = c[0].offset if c is not None else 0  # per row (an array) in the batched engine's row caches
+        positions = mx.arange(next_embeddings.shape[1]) + (start[:, None] if isinstance(start, mx.array) else start)
+        e = mx.where((positions == 0)[..., None], 0, next_embeddings)
         x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(hidden)], axis=-1))
         return self.shared_head_norm(self.mtp_block(x, c))

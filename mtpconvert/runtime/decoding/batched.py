@@ -68,7 +68,7 @@ class BatchedMTP:
     def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm", keep_hook=None):
         if not m.family.capabilities.batched:
             raise ValueError(f"batched MTP does not run the {m.family.name} family ({m.family.head.forward} head): "
-                             "it decodes one stream at a time")
+                             f"it decodes one stream at a time{m.family.capabilities.batched_refusal()}")
         prepare_speculative(m, depth, hidden)
         self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
         # keep_hook(stream id, output position) -> bool: whether a greedy row's draft at that position is
@@ -126,7 +126,9 @@ class BatchedMTP:
             s.first_token_s = now
         if self.cache is None:
             self.cache = cache
-            self.head_cache = row_caches_like(m.head.make_cache(), 0)  # the head's attention kind, per row
+            # the head's attention kind, per row: twins of mlx-lm's caches, or the head's own per-row kind
+            row_cache = getattr(m.head, "row_cache", None)
+            self.head_cache = row_cache(0) if row_cache else row_caches_like(m.head.make_cache(), 0)
         else:
             for mine, new in zip(self.cache, cache):
                 mine.extend(new)
