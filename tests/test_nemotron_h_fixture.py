@@ -2,12 +2,11 @@
 with its head at a realistic acceptance and its output stays plain greedy's (drafts rejected mid-way: the Mamba2
 rollback at work), the smoke gate passes it, and mlx-vlm's drafter accepts what ours does.
 
-Broken the ways a converter can break this head: eh_proj's input halves swapped collapses the acceptance and the
-smoke gate refuses it. The two blocks run in the other order, or the latent projections transposed, change the
-head's drafts on a measured share of positions but cost this fixture's acceptance only a few points (its head's
-MoE block carries little: in torch 76% -> 70% and 71%, training.json's ``acceptance.broken``); acceptance cannot
-tell those two apart from a correct conversion here. What catches them is the head's forward against
-transformers' own modules (tests/test_nemotron_h.py, ``test_our_head_forward_is_transformers_modules``)."""
+Broken the ways a converter can break this head (eh_proj's input halves swapped, the two blocks run in the other
+order, the latent projections transposed), the folder still loads, verifies and decodes to plain greedy's output,
+but its acceptance collapses and the smoke gate refuses it. The fixture's head was retrained so that the last two
+collapse as they would on a real Super (the fixture's README: a head whose blocks nearly commute could not tell them
+from a correct conversion)."""
 
 import json
 import os
@@ -20,9 +19,8 @@ from tests.checkpoints import convert_folder
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 
 FIXTURE = "text-nemotronh-mtp"
-FLOOR = 0.55  # greedy decode acceptance of the correct head on these prompts (float32, k=1): measured 64.9%
-COLLAPSE = 0.25  # eh_proj's halves swapped loses at least this much of it (measured: 64.9% -> 2.8%)
-DIFFERS = 0.08  # the other breakages change at least this share of teacher-forced drafts (measured: 14%, 13%)
+FLOOR = 0.55  # greedy decode acceptance of the correct head on these prompts (float32, k=1)
+COLLAPSE = 0.25  # a broken head's acceptance on them is at most this (and the correct head's at least FLOOR)
 
 
 @pytest.fixture(scope="module")
@@ -139,47 +137,16 @@ def broken_copy(good, out, edit):
     return out
 
 
-def teacher_forced_drafts(folder, prompts):
-    """(the backbone's argmax at t+1, the head's draft from (h_t, token t+1)) over every position of the prompts."""
-    import numpy as np
-
-    from mtpconvert.runtime.decoding.load import load
-
-    m = load(folder)
-    following, drafts = [], []
-    for p in prompts:
-        ids = mx.array([p])
-        hidden = m.backbone.forward(ids, m.backbone.make_cache())[1]
-        following.append(np.array(m.backbone.project(hidden)[0, 1:].argmax(-1)))
-        head = m.head(hidden[:, :-1], m.embed(ids[:, 1:]), m.head.make_cache())
-        drafts.append(np.array(m.draft_logits(head)[0].argmax(-1)))
-    return np.concatenate(following), np.concatenate(drafts)
-
-
-def test_swapped_eh_proj_halves_collapse_the_acceptance_and_the_gate_refuses_them(folders, prompts, tmp_path):
+@pytest.mark.parametrize("breakage", sorted(BROKEN))
+def test_broken_conversions_collapse_the_acceptance_and_the_gate_refuses_them(folders, prompts, tmp_path, breakage):
     from mtpconvert.gate import Gate, GateFailed, GateRecord, smoke_folder
     from mtpconvert.verify import verify
 
-    folder = broken_copy(folders["f32"], tmp_path / "eh", _eh_halves_swapped)
+    folder = broken_copy(folders["f32"], tmp_path / breakage, BROKEN[breakage])
     assert verify(folder).ok  # nothing in the headers tells: the acceptance has to
     good, _ = decode_acceptance(folders["f32"], prompts)
     bad, same = decode_acceptance(folder, prompts)
-    assert same and bad.acceptance <= good.acceptance - COLLAPSE, (bad.acceptance, good.acceptance)
+    assert same  # a bad head costs speed, never output
+    assert good.acceptance >= FLOOR and bad.acceptance <= COLLAPSE, (breakage, bad.acceptance, good.acceptance)
     with pytest.raises(GateFailed, match="greedy draft acceptance"):
         smoke_folder(folder, Gate(smoke_mode="layerwise"), GateRecord())
-
-
-@pytest.mark.parametrize("breakage", ["blocks_swapped", "latent_transposed"])
-def test_blocks_swapped_or_latents_transposed_change_the_drafts_not_the_output(folders, prompts, tmp_path, breakage):
-    """These load, verify and decode to plain greedy's output; their drafts differ from the correct head's (so a
-    comparison with a reference forward sees them) while the acceptance moves only a few points (module doc)."""
-    from mtpconvert.verify import verify
-
-    folder = broken_copy(folders["f32"], tmp_path / breakage, BROKEN[breakage])
-    assert verify(folder).ok
-    following, good = teacher_forced_drafts(folders["f32"], prompts)
-    _, bad = teacher_forced_drafts(folder, prompts)
-    assert (bad != good).mean() >= DIFFERS, (bad != good).mean()
-    assert (good == following).mean() >= FLOOR
-    _, same = decode_acceptance(folder, prompts)
-    assert same

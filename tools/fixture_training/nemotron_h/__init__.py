@@ -12,6 +12,11 @@ attention block, a latent MoE block, ``final_layernorm``, and the backbone's ``l
 next to the backbone to predict token t+2. A run can stop after ``--chunk-seconds`` and continue from
 ``OUT/resume.pt`` when started again with the same arguments (exit status 3 until it is done).
 
+head retrains that head on a folder's frozen backbone with a contrast term that makes the converter mistakes a
+real Super's head would not survive (its blocks in the other order, its latent projections transposed) collapse the
+fixture's acceptance too: a head trained only to predict came out with blocks that nearly commute (head.py says
+how and why). The fixture's head is that run's.
+
 export writes the release layout: ``backbone.*`` as transformers' ``save_pretrained`` names it (every expert one
 by one, ``mixer.experts.{e}.{up,down}_proj.weight``, conv1d ``[C, 1, K]``), ``mtp.layers.{j}.*`` with ``enorm``,
 ``hnorm``, ``eh_proj`` on block 0 and ``final_layernorm`` on block 1 alone in the last shard,
@@ -25,8 +30,12 @@ its greedy acceptance (no torch needed).
     python -m tools.fixture_training prepare --stage /tmp/stage
     python -m tools.fixture_training.nemotron_h train --stage /tmp/stage --out /tmp/run-nemotron --steps 600
     python -m tools.fixture_training.nemotron_h export --stage /tmp/stage --run /tmp/run-nemotron
+    python -m tools.fixture_training.nemotron_h head --stage /tmp/stage --out /tmp/run-head --steps 400 --warmup 40 \
+        --lr 1e-3 --source mtpconvert/fixture/data/text-nemotronh-mtp
+    python -m tools.fixture_training.nemotron_h export --stage /tmp/stage --run /tmp/run-head
     python -m tools.fixture_training.nemotron_h mlx-vlm mtpconvert/fixture/data/text-nemotronh-mtp --stage /tmp/stage
 
-Modules: model (config, model, names and layout), train, export (export, acceptance, mlx-lm against transformers,
+Modules: model (config, model, names and layout), train, head (the head's contrast retraining), export (export,
+acceptance, mlx-lm against transformers,
 records), vlm_drafter (the mlx-vlm check), __main__ (this command line).
 """

@@ -1,4 +1,4 @@
-"""The Nemotron-H fixture's command line: ``python -m tools.fixture_training.nemotron_h train|export|mlx-vlm``."""
+"""The Nemotron-H fixture's command line: ``python -m tools.fixture_training.nemotron_h train|head|export|mlx-vlm``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def add_train_args(p) -> None:
 
 
 # each command's function, imported when it runs (train needs no mlx, mlx-vlm no torch)
-COMMANDS = {"train": "train:train_nemotron", "export": "export:export_nemotron", "mlx-vlm": "vlm_drafter:mlx_vlm_check"}
+COMMANDS = {"train": "train:train_nemotron", "head": "head:train_head", "export": "export:export_nemotron",
+            "mlx-vlm": "vlm_drafter:mlx_vlm_check"}
 
 
 def main(argv=None) -> None:
@@ -47,6 +48,22 @@ def main(argv=None) -> None:
     p = sub.add_parser("train", help="train the Nemotron-H model and its head (torch)")
     add_train_args(p)
     p.set_defaults(command="train", variant="nemotron_h")
+
+    p = sub.add_parser("head", help="retrain the MTP head on a folder's frozen backbone, with the broken-conversion "
+                                     "contrast (torch; head.py)")
+    p.add_argument("--stage", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--source", default=None, help=f"the folder whose backbone and head it starts from (default "
+                                                  f"{FIXTURE.relative_to(REPO)})")
+    add_optimisation_args(p, seq=128)
+    p.add_argument("--margin", type=float, default=3.0,
+                   help="nats each broken head's cross-entropy is pushed above the correct head's")
+    p.add_argument("--contrast", type=float, default=1.0, help="weight of the hinge terms")
+    p.add_argument("--bias-rate", type=float, default=1e-3, help="e_score_correction_bias step per training step")
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_logging_args(p)
+    p.set_defaults(command="head", variant="nemotron_h")
 
     p = sub.add_parser("export", help="checkpoint -> release layout folder, acceptance, mlx-lm parity, records")
     p.add_argument("--stage", required=True)

@@ -201,6 +201,8 @@ def export_nemotron(args) -> None:
         "e_score_correction_bias": log.get("e_score_correction_bias"),
         "history": log["history"],
     }
+    if "backbone" in log:  # a head run (head.py): the record of the folder whose backbone it kept
+        record["backbone_training"] = log["backbone"]
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     from tools.fixture_training.nemotron_h.readme import write_readme
 

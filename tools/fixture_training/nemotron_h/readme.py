@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from tools.fixture_training.folders import readme_method
+from tools.fixture_training.nemotron_h.model import SHAPE_OPTS
 
 
 def write_readme(out: Path, record: dict, manifest: dict, n_params: int, cfg: dict) -> None:
     acc, par = record["acceptance"], record["parity"]["mlx_lm_vs_transformers_float32"]
     held = ", ".join(f["path"] for f in manifest["heldout_files"])
-    method = readme_method(record, "`python -m tools.fixture_training.nemotron_h` (this repository)",
-                           "python -m tools.fixture_training.nemotron_h", hidden_args=("device", "variant"))
+    method = _method(record)
     b = acc["broken"]
     pct = lambda x: f"{x:.0%}"  # noqa: E731
     pattern, head = cfg["hybrid_override_pattern"], cfg["mtp_hybrid_override_pattern"]
@@ -43,11 +43,11 @@ order, `final_layernorm` and the backbone's `lm_head`. Its latent size equals th
 transposing the latent projections still loads. It accepts a realistic share of greedy drafts, measured in torch
 on held-out text: {pct(acc['greedy'])} of the tokens of greedy continuations (k=1; 95% interval
 {pct(acc['greedy_ci95'][0])}-{pct(acc['greedy_ci95'][1])} over {acc['prompts']} prompts), {pct(acc['teacher_forced'])}
-teacher-forced. Broken as a converter can break it: `eh_proj`'s input halves swapped collapse it to
-{pct(b['eh_proj_halves_swapped']['greedy'])}; the two blocks run in the other order
-({pct(b['blocks_swapped']['greedy'])}) or the latent projections transposed ({pct(b['latent_transposed']['greedy'])})
-cost it only a few points, the head's MoE block carrying little, so acceptance does not tell those two from a correct
-conversion (`acceptance` in training.json says how each number was measured).{vlm_text}
+teacher-forced. Broken as a converter can break it, it collapses: `eh_proj`'s input halves swapped
+{pct(b['eh_proj_halves_swapped']['greedy'])}, the two blocks run in the other order
+{pct(b['blocks_swapped']['greedy'])},
+the latent projections transposed {pct(b['latent_transposed']['greedy'])} (`acceptance` in training.json says how each
+number was measured).{_contrast_text(record)}{vlm_text}
 
 Loaders: `NemotronHForCausalLM.from_pretrained` loads the backbone (it ignores `mtp.*`). mlx-lm {par['mlx_lm']}'s
 `load_model` loads the folder strictly (its sanitize drops `mtp.*`, moves the conv and stacks the experts); its float32
@@ -64,3 +64,50 @@ of the tests and benchmarks): {held}.
 
 {method}"""
     (out / "README.md").write_text(text)
+
+
+def _contrast_text(record: dict) -> str:
+    """Why the last two collapse, where the head was retrained with the contrast (head.py)."""
+    if "backbone_training" not in record:
+        return ""
+    a, before = record["training"]["args"], record["backbone_training"]["acceptance"]
+    pct = lambda x: f"{x:.0%}"  # noqa: E731
+    return f"""
+
+The last two collapse by design. A head trained only to predict (as this one first was, next to the backbone) came out
+with two blocks that nearly commute and a latent MoE that carries little: run in the other order or with its latent
+projections transposed it still accepted about as much ({pct(before['broken']['blocks_swapped']['greedy'])} and
+{pct(before['broken']['latent_transposed']['greedy'])} against {pct(before['greedy'])} in torch, measured as below),
+so a fixture like that cannot catch a converter that makes either mistake, where a real Super's head would break
+(its blocks do not commute) or not load (its latent projections are 4096 -> 1024, not square). The head was
+therefore retrained on the frozen backbone (`tools/fixture_training/nemotron_h/head.py`) with, next to its
+cross-entropy, a hinge at every position that pushes the cross-entropy of each of those two broken heads at least
+{a['margin']} nats above the correct head's (weight {a['contrast']}). `eh_proj`'s halves swapped were never in that
+loss."""
+
+
+def _method(record: dict) -> str:
+    """The "How it was made" section: the backbone's training run, and the head's retraining where there was one."""
+    script = "`python -m tools.fixture_training.nemotron_h` (this repository)"
+    command = "python -m tools.fixture_training.nemotron_h"
+    bt = record.get("backbone_training")
+    if not bt:
+        return readme_method(record, script, command, hidden_args=("device", "variant"))
+    method = readme_method({"training": bt["training"], "commands": record["commands"], "checkpoint": bt["checkpoint"]},
+                           script, command, hidden_args=("device", "variant", "command"))
+    tr = record["training"]
+    opts = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                    for k, v in tr["args"].items() if v is not None and k not in SHAPE_OPTS and
+                    k not in ("device", "variant", "command"))
+    return method + f"""
+The head was then retrained on that backbone, frozen (`head`, arguments as parsed; the model's sizes are read from
+`--source`):
+
+```
+{command} head {opts}
+```
+
+{tr['steps']} steps, {tr['tokens_seen']} tokens seen, {tr['wall_s']} s on the CPU (torch {tr['torch']}, transformers
+{tr['transformers']}); exported checkpoint `{record['checkpoint']['file']}` of that run. `backbone_training` in
+training.json is the first run's record (its commands, arguments, losses), `training` and `history` the head run's.
+"""
