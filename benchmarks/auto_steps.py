@@ -4,7 +4,11 @@ its wall time; slow steps (> 3x the median of their kind) are listed, the steps 
 switch (a plain step after a drafting one, ...) beside the run's wall time, and each ``auto`` run
 prints what its policy decided from.
 
-    python -m benchmarks.auto_steps OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--repeat 2] [--json out.json]
+    python -m benchmarks.auto_steps OUT [--concurrency 2] [--depth 1] [--max-tokens 128] [--repeat 2] [--calibrated]
+        [--json out.json]
+
+``--calibrated``: the policy starts from ``calibration.calibrate`` and its first decode is the first timed
+``auto`` run, as ``bench --concurrency`` runs it (else an uncalibrated policy warmed by one untimed decode).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import mlx.core as mx
 
 from mtpconvert.fixture.text import heldout_prompts, text_fixture_path
 from mtpconvert.runtime.decoding.batched import DraftPolicy, Stream, run_batch
-from mtpconvert.runtime.decoding.calibration import warm_up
+from mtpconvert.runtime.decoding.calibration import calibrate, warm_up
 from mtpconvert.runtime.decoding.load import load
 from mtpconvert.runtime.decoding.sampling import Sampling
 from mtpconvert.runtime.measure.batch_bench import engine_decode
@@ -33,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=1, help="timed auto runs, one policy (a slow step that recurs is not a compile)")
+    ap.add_argument("--calibrated", action="store_true", help="the bench's calibrated policy (see the module doc)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     m = load(args.folder)
@@ -43,8 +48,11 @@ def main(argv=None) -> int:
         warm_up(m, args.depth, args.concurrency)
     for mode in ("plain", "mtp"):
         engine_decode(m, prompts, args.max_tokens, greedy, 0, args.depth, mode)
-    policy = DraftPolicy()
-    engine_decode(m, prompts, args.max_tokens, greedy, 0, args.depth, "auto", policy=policy)
+    if args.calibrated:
+        policy = DraftPolicy(calibration=calibrate(m, args.depth, args.concurrency))
+    else:
+        policy = DraftPolicy()
+        engine_decode(m, prompts, args.max_tokens, greedy, 0, args.depth, "auto", policy=policy)
     report = {}
     for mode in ("plain", "mtp") + ("auto",) * args.repeat:
         streams = [Stream(list(p), args.max_tokens) for p in prompts]
