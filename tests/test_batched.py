@@ -523,6 +523,24 @@ def test_draft_policy_keeps_its_choice_when_rows_leave(draft_seconds, expect_dra
         assert policy.seconds(B, not expect_drafting) is None  # the loser was never run at B
 
 
+def test_draft_policy_does_not_take_a_slowdown_of_the_machine_for_the_kind_it_runs():
+    """Plain wins (10 ms against a 19 ms drafting step at 1.75 tokens a row: 400 against 368 tok/s). Then the
+    machine slows by 1.5x for 8 steps: the plain steps' cost rises to 15 ms, which against the drafting step as
+    timed before would make drafting win (368 against 267 tok/s); the drafting step is taken to be slower by as
+    much, so the policy stays plain. When the machine recovers, so do both costs."""
+    from mtpconvert.runtime.decoding.batched import DraftPolicy, StepLog
+
+    policy = DraftPolicy(budget=0.05, min_interval=10 ** 6)  # no budgeted probe within the test
+    simulate_policy(policy, 0.019, 30)
+    engine = fake_engine(4)
+    for speed in [1.0] * 10 + [1.5] * 8 + [1.0] * 10:
+        assert policy.choose(engine) is False, speed
+        policy.observe(engine, StepLog(list(range(4)), [-1] * 4, False, 0.010 * speed, built_before=True,
+                                       built_next=True))
+        draft, plain = policy.costs(4)
+        assert draft / plain == pytest.approx(1.9, rel=0.01)
+
+
 def _noisy_runs(t_plain: float, t_draft: float, runs: int = 100, rows: int = 4, tokens: int = 47) -> list:
     """Share of drafted steps in each timed run of a policy warmed by one untimed run, as the bench does it:
     constant step costs, each row's draft kept with probability 0.8 (the oracle bench's P), a drafting

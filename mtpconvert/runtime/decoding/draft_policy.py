@@ -116,9 +116,16 @@ class DraftPolicy:
         self.last_probe = 0  # decision count when the last probe started
         self.probes = 0  # probes started
         self.previous: Optional[bool] = None  # the kind of the last step observed
+        self.steps_seen = 0
+        # per (B, kind): the step count at its last timing, and the other kind's step cost at B then (its anchor)
+        self.last_timed: Dict[Tuple[int, bool], int] = {}
+        self.anchor: Dict[Tuple[int, bool], Optional[float]] = {}
         if calibration is not None and calibration.seconds:  # the calibration took the first timings
             for key, times in calibration.seconds.items():
                 self.timed[key] = deque(times[-window:], maxlen=window)
+                self.last_timed[key] = 0
+            for (B, drafted) in calibration.seconds:  # both kinds were timed side by side
+                self.anchor[(B, drafted)] = self.seconds(B, not drafted)
             self.first_steps = None
 
     step_cost = staticmethod(statistics.median)  # of a kind's last timed steps (see the class)
@@ -133,7 +140,7 @@ class DraftPolicy:
         ratio at the nearest B where both were timed (see the class); None before any B had both."""
         draft, plain = self.seconds(B, True), self.seconds(B, False)
         if draft is not None and plain is not None:
-            return draft, plain
+            return self._current(B, draft, plain)
         both = [b for b in {b for b, _ in self.timed}
                 if self.seconds(b, True) is not None and self.seconds(b, False) is not None]
         if not both:
@@ -145,6 +152,20 @@ class DraftPolicy:
         if draft is not None:
             return draft, draft * near_plain / near_draft
         return near_draft, near_plain
+
+    def _current(self, B: int, draft: float, plain: float) -> Tuple[float, float]:
+        """Both kinds' step costs at B as of now: the kind timed last as timed, the other's timed cost times how
+        much the last one's cost moved since the other was timed beside it (its anchor). The machine's speed moves
+        (on the H200, stretches of plain steps 1.3-1.5 times their neighbours'): timed apart, the kind the batch
+        runs would carry every slowdown and the other none, and a slowdown alone would switch the kind."""
+        fresh = self.last_timed.get((B, True), -1) > self.last_timed.get((B, False), -1)
+        stale_anchor = self.anchor.get((B, not fresh))
+        if stale_anchor:
+            if fresh:
+                plain *= draft / stale_anchor
+            else:
+                draft *= plain / stale_anchor
+        return draft, plain
 
     def predicted_rates(self, B: int, drafting: int) -> Optional[Tuple[float, float]]:
         """(drafting tok/s, plain tok/s) at batch size B, or None until both kinds were measured."""
@@ -241,9 +262,16 @@ class DraftPolicy:
 
     def observe(self, engine, record: StepLog) -> None:
         B = len(record.streams)
+        self.steps_seen += 1
         if self.timeable(record, engine.depth):
             times = self.timed.setdefault((B, record.drafted), deque(maxlen=self.window))
             times.append(record.seconds)
+            key, other = (B, record.drafted), (B, not record.drafted)
+            if self.last_timed.get(other, -1) >= self.last_timed.get(key, -1):  # the first of a stretch: the other
+                self.anchor[key] = self.seconds(*other)  # kind's cost as it ran just before is this one's reference
+            if other in self.timed and self.anchor.get(other) is None:  # the other kind was timed first, before
+                self.anchor[other] = self.seconds(*key)  # this one had a cost: this one's first cost is its reference
+            self.last_timed[key] = self.steps_seen
         kept = [a for a in record.accepted if a >= 0]
         if record.drafted and kept:
             self.accepted.extend(kept)
