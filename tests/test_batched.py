@@ -7,6 +7,7 @@ ran plain while others drafted, rows joined and left between steps.
 """
 
 import statistics
+from typing import List
 
 import mlx.core as mx
 import numpy as np
@@ -69,6 +70,37 @@ def assert_not_degenerate(engine):
     assert any(-1 in rec.accepted and max(rec.accepted) >= 0 for rec in drafted), "no plain row beside drafting rows"
     sizes = {len(rec.streams) for rec in engine.log}
     assert len(sizes) > 1, "the batch never changed: no row joined or left between steps"
+
+
+def assert_batched_rows_equal_solo(m, prompts: List[List[int]], monkeypatch) -> None:
+    """Rows of ``prompts`` (6: different lengths) joining two per step and leaving, plain and drafting rows in one
+    step, depth 1 and 2: every greedy row's tokens equal the plain batched engine's and its solo plain greedy decode.
+    Each row's draft is replaced, at 70% of its positions, by the token its solo decode emits there (the head still
+    runs, so its cache is what it always is): rows then keep different numbers of drafts in one step."""
+    import random
+
+    solo = [plain_generate(m, p, 30)[0] for p in prompts]
+    head_draft = batched.BatchedMTP._draft
+
+    def draft_solo_tokens(engine, drafting):
+        drafts, q = head_draft(engine, drafting)
+        rows = drafts.tolist()
+        for r, s in enumerate(engine.streams):
+            for j in range(engine.depth):
+                at = len(s.out) + j
+                if at < len(solo[s.seed]) and random.Random(f"{s.seed}/{at}").random() < 0.7:
+                    rows[r][j] = solo[s.seed][at]
+        return mx.array(rows), q
+
+    monkeypatch.setattr(batched.BatchedMTP, "_draft", draft_solo_tokens)
+    for depth in (1, 2):
+        join_at = [i // 2 for i in range(len(prompts))]
+        mtp = mixed_streams(prompts, len(prompts))
+        assert_not_degenerate(run_batch(m, mtp, depth, "mtp", join_at=join_at, policy=Alternate()))
+        plain = mixed_streams(prompts, len(prompts))
+        run_batch(m, plain, depth, "plain", join_at=join_at)
+        for i, (a, b) in enumerate(zip(mtp, plain)):
+            assert a.out == b.out == solo[i][: len(a.out)], (depth, i)
 
 
 @pytest.mark.parametrize("depth", [1, 2])

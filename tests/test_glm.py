@@ -225,38 +225,10 @@ def test_batched_rows_equal_solo_greedy(converted, monkeypatch):
     batched engine's and its solo plain greedy decode. The heads' random weights draft nothing right, so each
     row's draft is replaced, at 70% of its positions, by the token its solo decode emits there (the head still
     runs, so its cache is what it always is): rows then keep different numbers of drafts in one step."""
-    import random
-
-    from tests.test_batched import Alternate, assert_not_degenerate, mixed_streams
-    from mtpconvert.runtime.decoding import batched
-    from mtpconvert.runtime.decoding.batched import run_batch
     from mtpconvert.runtime.decoding.load import load
-    from mtpconvert.runtime.decoding.speculative import plain_generate
+    from tests.test_batched import assert_batched_rows_equal_solo
 
-    m = load(converted["float"])
-    prompts = [IDS[: 5 + i] for i in range(6)]
-    solo = [plain_generate(m, p, 30)[0] for p in prompts]
-    head_draft = batched.BatchedMTP._draft
-
-    def draft_solo_tokens(engine, drafting):
-        drafts, q = head_draft(engine, drafting)
-        rows = drafts.tolist()
-        for r, s in enumerate(engine.streams):
-            for j in range(engine.depth):
-                at = len(s.out) + j
-                if at < len(solo[s.seed]) and random.Random(f"{s.seed}/{at}").random() < 0.7:
-                    rows[r][j] = solo[s.seed][at]
-        return mx.array(rows), q
-
-    monkeypatch.setattr(batched.BatchedMTP, "_draft", draft_solo_tokens)
-    for depth in (1, 2):
-        join_at = [i // 2 for i in range(6)]
-        mtp = mixed_streams(prompts, 6)
-        assert_not_degenerate(run_batch(m, mtp, depth, "mtp", join_at=join_at, policy=Alternate()))
-        plain = mixed_streams(prompts, 6)
-        run_batch(m, plain, depth, "plain", join_at=join_at)
-        for i, (a, b) in enumerate(zip(mtp, plain)):
-            assert a.out == b.out == solo[i][: len(a.out)], (depth, i)
+    assert_batched_rows_equal_solo(load(converted["float"]), [IDS[: 5 + i] for i in range(6)], monkeypatch)
 
 
 def test_the_card_says_which_drafter_route_mlx_vlm_takes(raw, converted):

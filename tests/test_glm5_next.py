@@ -351,7 +351,7 @@ def test_batched_rows_equal_solo_greedy(converted, option, monkeypatch):
     ArraysCache committing each row's prefix): rows of different prompt lengths, longer than ``index_topk`` as they
     decode (the indexer selects pools), equal the plain batched engine's and their solo plain greedy decodes."""
     from mtpconvert.runtime.decoding.load import load
-    from tests.vlm_rows import assert_batched_rows_equal_solo
+    from tests.test_batched import assert_batched_rows_equal_solo
 
     assert_batched_rows_equal_solo(load(converted[option]), [IDS[i % 3: 5 + i] for i in range(6)], monkeypatch)
 

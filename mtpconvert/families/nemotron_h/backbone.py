@@ -21,7 +21,7 @@ pass, so the stock forward runs unmasked, and ``rollback_rows(keep)`` cuts each 
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,7 +32,7 @@ from mlx_lm.models.ssm import ssm_attn
 
 from ...runtime.backbone import TextModelBackbone
 from ...runtime.decoding.rollback import RollbackArraysCache
-from ...runtime.decoding.rowcache import RowKVCache
+from ...runtime.decoding.rowcache import RowKVCache, RowRecurrentCache
 from .head import NemotronHHead
 
 
@@ -85,46 +85,25 @@ def scan_prefix(p: MambaPass, keep: int, rows: Optional[mx.array] = None) -> mx.
     return state
 
 
-class MambaRowRollbackCache(MambaRollbackCache):
+class MambaRowRollbackCache(RowRecurrentCache, MambaRollbackCache):
     """The Mamba2 cache of B rows for the batched engine, whose last pass is undone to a different prefix in every
-    row (``runtime.decoding.rowcache.RowRollbackCache`` is GatedDeltaNet's)."""
+    row.
 
-    def rollback_rows(self, keep: Sequence[int]) -> None:
-        """Row r keeps the first keep[r] tokens of the last pass (1 <= keep[r] <= its length).
+    mlx-lm's scan masks left padding only: it returns the state at the pass's last position, and a masked last
+    position drops the kept positions' inputs too (only the decayed state before the pass is left). So the kept
+    prefixes are cut per row instead: one scan per distinct cut (at most the pass's length) over the rows that keep
+    that many, each the single-row undo's scan, then the states back in row order."""
 
-        mlx-lm's scan masks left padding only: it returns the state at the pass's last position, and a masked last
-        position drops the kept positions' inputs too (only the decayed state before the pass is left). So the kept
-        prefixes are cut per row instead: one scan per distinct cut (at most the pass's length) over the rows that
-        keep that many, each the single-row undo's scan, then the states back in row order."""
-        S = self.pass_length
-        if any(not 1 <= k <= S for k in keep):
-            raise ValueError(f"cannot keep {list(keep)} of a {S}-token pass")
-        if len(set(keep)) == 1:  # one cut for all rows: the single-sequence undo
-            self.rollback(keep[0])
-            return
-        p = self._undoable()
+    def cut_rows(self, last_pass: MambaPass, keep: List[int], kept: mx.array) -> mx.array:
         cuts = sorted(set(keep))
         order = [r for n in cuts for r, k in enumerate(keep) if k == n]  # rows grouped by cut
         states = []
         for n in cuts:
             rows = mx.array([r for r, k in enumerate(keep) if k == n])
             # rows that keep the whole pass keep the state the stock forward left
-            states.append(scan_prefix(p, n, rows) if n < S else self[1][rows])
+            states.append(scan_prefix(last_pass, n, rows) if n < self.pass_length else self[1][rows])
         back = mx.array(sorted(range(len(order)), key=order.__getitem__))  # row r's place in `order`
-        kept = mx.array(list(keep))
-        window = (kept[:, None] + mx.arange(p.mixer.conv_kernel_size - 1))[..., None]  # [B, K-1, 1]
-        self[0] = mx.take_along_axis(p.conv_input, window, axis=1)
-        self[1] = mx.concatenate(states)[back]
-        self.last_pass = None  # rows now end at different cuts: no single prefix to return to
-        self.pass_length = min(keep)
-
-    def filter(self, rows: Sequence[int]) -> None:
-        super().filter(mx.array(list(rows)))
-        self.last_pass, self.pass_length = None, 0
-
-    def extend(self, other: "MambaRowRollbackCache") -> None:
-        super().extend(other)
-        self.last_pass, self.pass_length = None, 0
+        return mx.concatenate(states)[back]
 
 
 class RecordingMamba2Mixer(NemotronHMamba2Mixer):

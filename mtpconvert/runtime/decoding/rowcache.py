@@ -219,8 +219,10 @@ def row_caches_like(caches: Sequence, rows: int) -> list:
     return out
 
 
-class RowRollbackCache(RollbackArraysCache):
-    """Linear-attention cache whose last pass can be undone to a different prefix in every row."""
+class RowRecurrentCache:
+    """The batched engine's row operations on a recurrent layer's undoable cache, mixed in before it
+    (``class Twin(RowRecurrentCache, RollbackArraysCache)``): its last pass undone to a different prefix in every row,
+    rows dropped and appended. ``cut_rows`` is where the recurrences differ."""
 
     def rollback_rows(self, keep: Sequence[int]) -> None:
         """Row r keeps the first keep[r] tokens of the last pass (1 <= keep[r] <= its length)."""
@@ -232,24 +234,39 @@ class RowRollbackCache(RollbackArraysCache):
             return
         if self.last_pass is None:
             raise ValueError(f"a {S}-token pass is longer than max_pass={self.max_pass}: not undoable")
-        p = self.last_pass
-        kept = mx.array(list(keep))
-        counts = mx.arange(S)[None] < kept[:, None]  # [B, S]: positions each row keeps
-        _, state = gated_delta_update(p.q, p.k, p.v, p.a, p.b, p.layer.A_log, p.layer.dt_bias, p.state, counts,
-                                      use_kernel=not p.layer.training)
-        window = (kept[:, None] + mx.arange(p.layer.conv_kernel_size - 1))[..., None]  # [B, K-1, 1]
+        p, kept = self.last_pass, mx.array(list(keep))
+        self[1] = self.cut_rows(p, list(keep), kept)
+        n_window = p.conv_input.shape[1] - S  # the conv window before the pass, then the pass's S inputs
+        window = (kept[:, None] + mx.arange(n_window))[..., None]  # [B, K-1, 1]: each row's last K-1 inputs
         self[0] = mx.take_along_axis(p.conv_input, window, axis=1)
-        self[1] = state
         self.last_pass = None  # rows now end at different cuts: no single prefix to return to
         self.pass_length = min(keep)
+
+    def cut_rows(self, last_pass, keep: List[int], kept: mx.array) -> mx.array:
+        """The recurrent state of every row after its first keep[r] positions of ``last_pass`` (``kept``: the same
+        counts on the device)."""
+        raise NotImplementedError
 
     def filter(self, rows: Sequence[int]) -> None:
         super().filter(mx.array(list(rows)))
         self.last_pass, self.pass_length = None, 0
 
-    def extend(self, other: "RowRollbackCache") -> None:
+    def extend(self, other) -> None:
         super().extend(other)
         self.last_pass, self.pass_length = None, 0
+
+
+class RowRollbackCache(RowRecurrentCache, RollbackArraysCache):
+    """Linear-attention (GatedDeltaNet) cache whose last pass can be undone to a different prefix in every row: one
+    replay of the recurrence over the pass, a position counting for row r only while it is under keep[r] (a masked
+    position leaves the state as it was, ``mx.where`` in mlx-lm's step)."""
+
+    def cut_rows(self, last_pass, keep: List[int], kept: mx.array) -> mx.array:
+        p = last_pass
+        counts = mx.arange(self.pass_length)[None] < kept[:, None]  # [B, S]: positions each row keeps
+        _, state = gated_delta_update(p.q, p.k, p.v, p.a, p.b, p.layer.A_log, p.layer.dt_bias, p.state, counts,
+                                      use_kernel=not p.layer.training)
+        return state
 
 
 def undo_rows(cache: list, keep: Sequence[int], length: int) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from tools.fixture_training.glm.train import set_threads
 from tools.fixture_training.heads import torch_state
 from tools.fixture_training.nemotron_h.model import F32_SUFFIXES, FIXTURE, SHAPE_OPTS, build_torch
+from tools.fixture_training.nemotron_h.train import balance_routers
 from tools.fixture_training.training import (adamw, apply_gradients, is_log_step, learning_rate, log_points,
                                              open_run, print_run_header, run_args, save_checkpoint)
 
@@ -168,16 +169,10 @@ def train_head(args) -> None:
         lr = learning_rate(args, step, total)
         loss, mtp, broken, st = contrast_losses(lm, head, batch(), args.margin, args.contrast)
         gn = apply_gradients(opt, head, torch.nn.Module(), loss, lr, args.clip)
-        with torch.no_grad():  # auxiliary-loss-free balancing, as train's
-            imbalance = []
-            for r in routers:
-                load = loads[id(r)]
-                r.e_score_correction_bias += args.bias_rate * torch.sign(load.mean() - load)
-                imbalance.append(load.max() / load.mean().clamp_min(1))
-                load.zero_()
+        imbalance = balance_routers(routers, loads, args.bias_rate)  # as train's
         done = step + 1
         if is_log_step(done, total, saves, log_every):
-            rec = _record(done, lr, loss, mtp, broken, st, gn, torch.stack(imbalance).max(), time.time() - t0)
+            rec = _record(done, lr, loss, mtp, broken, st, gn, imbalance, time.time() - t0)
             if done in saves or done % (log_every * args.eval_every) == 0:
                 rec["heldout"] = evaluate()
             history.append(rec)

@@ -36,6 +36,22 @@ def losses(lm, head, tokens, router_logits=None, aux_coef=0.0):
     return main + mtp, main, mtp, torch.zeros(()), stats
 
 
+def balance_routers(routers, loads, rate: float):
+    """Auxiliary-loss-free balancing after a step: raise the ``e_score_correction_bias`` of each router's
+    under-loaded experts (lower the over-loaded ones') by ``rate``, and clear the loads counted over the step.
+    Returns the largest max/mean expert load of the step."""
+    import torch
+
+    with torch.no_grad():
+        imbalance = []
+        for r in routers:
+            load = loads[id(r)]
+            r.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+            imbalance.append(load.max() / load.mean().clamp_min(1))
+            load.zero_()
+        return torch.stack(imbalance).max()
+
+
 def _resume(path, lm, head, opt, rng, logged_args):
     import torch
 
@@ -82,14 +98,8 @@ def train_nemotron(args) -> None:
     def one_step(step, total):
         loss, main, mtp, _, st = losses(lm, head, batch())
         gn = apply_gradients(opt, lm, head, loss, learning_rate(args, step, total), args.clip)
-        with torch.no_grad():  # auxiliary-loss-free balancing: raise the bias of under-loaded experts
-            imbalance = []
-            for r in routers:
-                load = loads[id(r)]
-                r.e_score_correction_bias += args.bias_rate * torch.sign(load.mean() - load)
-                imbalance.append(load.max() / load.mean().clamp_min(1))
-                load.zero_()
-        return loss.detach(), main.detach(), mtp.detach(), st, gn, torch.stack(imbalance).max()
+        imbalance = balance_routers(routers, loads, args.bias_rate)
+        return loss.detach(), main.detach(), mtp.detach(), st, gn, imbalance
 
     resume, logged_args, t_call = out / "resume.pt", run_args(args), time.time()
     if resume.exists():
