@@ -146,7 +146,7 @@ class DraftPolicy:
         if not both:
             return None
         near = min(both, key=lambda b: (abs(b - B), b))
-        near_draft, near_plain = self.seconds(near, True), self.seconds(near, False)
+        near_draft, near_plain = self._current(near, self.seconds(near, True), self.seconds(near, False))
         if plain is not None:
             return plain * near_draft / near_plain, plain
         if draft is not None:
