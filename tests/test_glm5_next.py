@@ -356,6 +356,24 @@ def test_batched_rows_equal_solo_greedy(converted, option, monkeypatch):
     assert_batched_rows_equal_solo(load(converted[option]), [IDS[i % 3: 5 + i] for i in range(6)], monkeypatch)
 
 
+def test_batched_prefill_runs_one_prompt_length_at_a_time(converted):
+    """mlx-vlm's recurrent caches keep a state per position of a recorded pass, so prompts of different lengths are
+    not padded into one pass (whose padding would then be recorded a state per prompt token): one pass per length,
+    none longer than its prompts."""
+    from mtpconvert.runtime.decoding import batched
+    from mtpconvert.runtime.decoding.batched import Stream
+    from mtpconvert.runtime.decoding.load import load
+
+    m = load(converted["float32"])
+    assert not m.backbone.pads_prefill
+    passes = []
+    forward = m.backbone.forward
+    m.backbone.forward = lambda tokens, cache: passes.append(tokens.shape) or forward(tokens, cache)
+    engine = batched.BatchedMTP(m, depth=1)
+    engine.add_many([Stream(IDS[:5], 4), Stream(IDS[:7], 4), Stream(IDS[1:6], 4)], [0, 1, 2])
+    assert sorted(passes) == [(1, 7), (2, 5)]
+
+
 def test_bench_concurrency_is_refused_naming_its_baseline(converted):
     """The batched bench divides by mlx-lm's BatchGenerator, which cannot run an mlx-vlm model (it reads logits off
     the model's call, and mlx-vlm's returns an output object): refused before loading, naming the baseline."""

@@ -38,6 +38,12 @@ class Backbone:
     """A loaded (or never-evaluated ``shell``) model by role; see the module doc. ``model`` is what the
     family's library built, whole: the object its own generate loop and caches take."""
 
+    # whether the batched engine may prefill prompts of different lengths in one padded pass and undo each row's
+    # padding (``row_cache``'s recurrent caches record a pass's inputs and replay the kept prefix, or the backbone
+    # has none); a recurrent cache that keeps a state per position of a recorded pass makes that a state per prompt
+    # token, and its prompts are prefilled one length at a time instead
+    pads_prefill = True
+
     def __init__(self, model: nn.Module, family: Family, config: dict):
         self.model, self.family, self.config = model, family, config
 

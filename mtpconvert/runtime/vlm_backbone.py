@@ -33,6 +33,8 @@ class UndoableCaches(list):
 class VlmBackbone(Backbone):
     # which of the language model's ``return_hidden`` states the head drafts from
     hidden_state_index = 0
+    # mlx-vlm's recurrent caches record a speculative pass as a state per position (``ArraysCache.update_recurrent``)
+    pads_prefill = False
 
     @classmethod
     def load(cls, path: Path, family: Family, lazy: bool = False) -> "VlmBackbone":

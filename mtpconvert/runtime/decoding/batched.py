@@ -95,7 +95,19 @@ class BatchedMTP:
         prompt shorter than the longest is padded after its end, which no earlier position attends to,
         and each row's padding is then undone as a rejected draft is (``undo_rows``: attention rows
         trimmed, a recurrent layer's state replayed to the row's last prompt token). On a launch-bound
-        device one pass per prompt length cost what tens of decode steps do."""
+        device one pass per prompt length cost what tens of decode steps do. A backbone whose recurrent
+        caches would keep a state per padded position (``Backbone.pads_prefill``) prefills one prompt
+        length at a time."""
+        if self.m.backbone.pads_prefill:
+            self._prefill(list(streams), list(sids))
+            return
+        by_length: dict = {}
+        for s, sid in zip(streams, sids):
+            by_length.setdefault(len(s.prompt), []).append((s, sid))
+        for group in by_length.values():
+            self._prefill([s for s, _ in group], [sid for _, sid in group])
+
+    def _prefill(self, streams: List[Stream], sids: List[int]) -> None:
         if self.ahead is not None:
             raise RuntimeError("a plain step was built ahead for the current rows: run it before rows join")
         m = self.m
