@@ -56,17 +56,12 @@ class MambaRollbackCache(RollbackArraysCache):
         if not 1 <= keep <= self.pass_length:
             raise ValueError(f"cannot keep {keep} of a {self.pass_length}-token pass")
         if keep < self.pass_length:
-            p = self._undoable()
+            p = self.recorded_pass()
             n_window = p.mixer.conv_kernel_size - 1
             self[0], self[1] = p.conv_input[:, keep: keep + n_window], scan_prefix(p, keep)
             self.last_pass = p._replace(conv_input=p.conv_input[:, : keep + n_window], x=p.x[:, :keep],
                                         B=p.B[:, :keep], C=p.C[:, :keep], dt=p.dt[:, :keep])
         self.pass_length = keep
-
-    def _undoable(self) -> MambaPass:
-        if self.last_pass is None:
-            raise ValueError(f"a {self.pass_length}-token pass is longer than max_pass={self.max_pass}: not undoable")
-        return self.last_pass
 
 
 def scan_prefix(p: MambaPass, keep: int, rows: Optional[mx.array] = None) -> mx.array:

@@ -64,14 +64,18 @@ class RollbackArraysCache(ArraysCache):
         self.last_pass = last_pass if length <= self.max_pass else None
         self.pass_length = length
 
+    def recorded_pass(self):
+        """The last pass's record, which an undo replays; ``ValueError`` where it was too long to be recorded."""
+        if self.last_pass is None:
+            raise ValueError(f"a {self.pass_length}-token pass is longer than max_pass={self.max_pass}: not undoable")
+        return self.last_pass
+
     def rollback(self, keep: int) -> None:
         """Keep the first ``keep`` tokens of the last pass (1 <= keep <= its length)."""
         if not 1 <= keep <= self.pass_length:
             raise ValueError(f"cannot keep {keep} of a {self.pass_length}-token pass")
         if keep < self.pass_length:
-            if self.last_pass is None:
-                raise ValueError(f"a {self.pass_length}-token pass is longer than max_pass={self.max_pass}: not undoable")
-            p = self.last_pass.prefix(keep)
+            p = self.recorded_pass().prefix(keep)
             _, state = gated_delta_update(p.q, p.k, p.v, p.a, p.b, p.layer.A_log, p.layer.dt_bias, p.state, p.mask,
                                           use_kernel=not p.layer.training)
             self[0], self[1] = p.conv_input[:, keep:], state

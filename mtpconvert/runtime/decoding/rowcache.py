@@ -232,9 +232,7 @@ class RowRecurrentCache:
         if len(set(keep)) == 1:  # one cut for all rows: the single-sequence undo
             self.rollback(keep[0])
             return
-        if self.last_pass is None:
-            raise ValueError(f"a {S}-token pass is longer than max_pass={self.max_pass}: not undoable")
-        p, kept = self.last_pass, mx.array(list(keep))
+        p, kept = self.recorded_pass(), mx.array(list(keep))
         self[1] = self.cut_rows(p, list(keep), kept)
         n_window = p.conv_input.shape[1] - S  # the conv window before the pass, then the pass's S inputs
         window = (kept[:, None] + mx.arange(n_window))[..., None]  # [B, K-1, 1]: each row's last K-1 inputs
