@@ -100,6 +100,9 @@ class DraftPolicy:
         self.budget, self.min_interval, self.optimism = budget, min_interval, optimism
         self.calibration = calibration
         self.accepted: Deque[int] = deque(maxlen=accept_window)  # drafts kept, per drafting row-step
+        # their sum and sum of squares, kept as they come and go: on a launch-bound device the host's time per
+        # step is the step's time, and ``statistics.pstdev`` over the window cost a plain step's 2-3%
+        self.accepted_sum = self.accepted_squares = 0
         self.window, self.probe_steps = window, probe_steps
         self.timed: Dict[Tuple[int, bool], Deque[float]] = {}
         self.tokens_per_row: Optional[float] = None
@@ -218,8 +221,8 @@ class DraftPolicy:
         n = len(self.accepted)
         if not n or (self.calibration is not None and self.seen < self.least_seen):
             return None if self.calibration is None else 1.0 + depth
-        mean = sum(self.accepted) / n
-        spread = max(statistics.pstdev(self.accepted), SD_FLOOR) if n > 1 else SD_FLOOR
+        mean = self.accepted_sum / n
+        spread = max(math.sqrt(max(self.accepted_squares / n - mean * mean, 0.0)), SD_FLOOR) if n > 1 else SD_FLOOR
         return min(1.0 + depth, 1.0 + mean + self.optimism * spread / math.sqrt(self.seen))
 
     def calibrated_probe_loss(self, B: int, drafting: int, drafting_wins: bool, costs: Tuple[float, float],
@@ -274,9 +277,16 @@ class DraftPolicy:
             self.last_timed[key] = self.steps_seen
         kept = [a for a in record.accepted if a >= 0]
         if record.drafted and kept:
-            self.accepted.extend(kept)
+            for a in kept:
+                if len(self.accepted) == self.accepted.maxlen:
+                    gone = self.accepted[0]
+                    self.accepted_sum -= gone
+                    self.accepted_squares -= gone * gone
+                self.accepted.append(a)
+                self.accepted_sum += a
+                self.accepted_squares += a * a
             self.seen += len(kept)
-            self.tokens_per_row = 1 + sum(self.accepted) / len(self.accepted)
+            self.tokens_per_row = 1 + self.accepted_sum / len(self.accepted)
         drafting = sum(a >= 0 for a in record.accepted) or B
         costs = self.costs(B)
         rates = self._rates(B, drafting, costs, self.tokens_per_row or self.bound(engine.depth))
