@@ -228,6 +228,18 @@ def test_warm_up_visits_every_pass_shape(dense, depth):
         assert any(not r.drafted and r.built_next for r in steps)
 
 
+def test_warm_up_reaches_every_attention_window_of_the_context(dense):
+    """Past the first attention window a catch-up's head passes read a wider key window: ``warm_up`` with a
+    context of 300 keys also catches up over a prompt past 256 keys, so its last passes read 512."""
+    m, _ = dense
+    assert calibration.warm_prompts(0) == calibration.warm_prompts(256) == [batched.CATCH_UP + 1]
+    assert calibration.warm_prompts(300) == [batched.CATCH_UP + 1, 257]
+    assert calibration.warm_prompts(700) == [batched.CATCH_UP + 1, 257, 513]
+    log = calibration.warm_up(m, 1, 1, context=300)
+    assert max(r.head_width for r in log) > 256
+    assert any(not r.drafted and r.built_next for r in log[len(calibration.WARM_STEPS):])
+
+
 def _unpipelined(m, streams, depth=1):
     """The plain batched engine stepping one graph at a time (no step built ahead)."""
     engine = batched.BatchedMTP(m, depth)
