@@ -13,7 +13,7 @@ decoder (BatchGenerator, plain, mtp) with the best median, one choice for all it
 Then one pooled line: geometric means over every round of every row of within-round ratios.
 
     python -m benchmarks.batched_auto OUT [--variant dense] [--concurrency 1,2,4,8] [--depth 1 --depth 2]
-        [--max-tokens 64] [--rounds 3] [--json out.json]
+        [--max-tokens 64] [--rounds 3] [--json out.json] [--step-logs] [--settle-ms 0]
     python -m benchmarks.batched_auto --saved RESULT.json [RESULT.json ...]   # the table and pooled line of saved runs
 """
 
@@ -86,6 +86,25 @@ def pooled(report: dict) -> dict:
     return {k: round(math.exp(sum(v) / len(v)), 3) for k, v in ratios.items()}
 
 
+def busy(ms: float):
+    """A ``settle`` for ``bench_concurrency``: square a 4096 x 4096 matrix for ``ms`` milliseconds."""
+    x = mx.random.normal((4096, 4096)).astype(mx.bfloat16)
+
+    def settle() -> None:
+        end = time.perf_counter() + ms / 1e3
+        while time.perf_counter() < end:
+            mx.eval(x @ x)
+    return settle
+
+
+def running_on() -> int:
+    """The CPU this thread last ran on (field 39 of /proc/thread-self/stat), -1 where there is none."""
+    try:
+        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path, nargs="?")
@@ -96,6 +115,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--step-logs", action="store_true",
+                    help="keep every round's steps of the engine's decoders in the JSON ([B, drafted, head width, ms])")
+    ap.add_argument("--settle-ms", type=float, default=0.0,
+                    help="before every timed run, keep the device busy this long (large matmuls): a launch-bound "
+                         "decode barely loads a GPU, which then runs it at whatever clock the idle gap left")
     ap.add_argument("--saved", type=Path, nargs="+", default=None,
                     help="print the table (labelled --label) and pooled line of saved JSON and exit")
     args = ap.parse_args(argv)
@@ -106,11 +130,20 @@ def main(argv=None) -> int:
         return 0
     m = load(args.folder)
     _, ids, _ = heldout_prompts(text_fixture_path(args.variant), per_file=1, prompt_tokens=32, files=8)
+    timeline: list = []  # (wall clock, what starts): to lay the runs beside the device's own samples
+
+    def progress(step) -> None:
+        timeline.append([round(time.time(), 4), step.detail, running_on()])
+
     t0 = time.perf_counter()
     result = bench_concurrency(m, str(args.folder), ids, [int(c) for c in args.concurrency.split(",")],
-                               args.max_tokens, args.depth or [1], rounds=args.rounds)
-    report = result.to_json()
+                               args.max_tokens, args.depth or [1], rounds=args.rounds, progress=progress,
+                               settle=busy(args.settle_ms) if args.settle_ms else None)
+    report = result.to_json(step_logs=args.step_logs)
     report["rounds"] = args.rounds
+    report["settle_ms"] = args.settle_ms
+    if args.step_logs:
+        report["timeline"] = timeline
     print(table(report, args.label or args.variant), flush=True)
     print(f"({time.perf_counter() - t0:.0f} s; {mx.default_device()}, {platform.node()})", flush=True)
     print("pooled:", pooled(report), flush=True)

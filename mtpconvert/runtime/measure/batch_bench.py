@@ -13,7 +13,8 @@ stream's first token to the last stream's end (prefill excluded for every decode
 Aggregate tok/s counts all streams; per-stream tok/s is each stream's own tokens over its own
 decode time, averaged. All decoders run in one process, interleaved per concurrency, after an
 untimed warm-up of each (kernels compile per shape; ``calibration.calibrate`` first runs every pass shape
-of 1 .. C rows, since `auto`'s trajectory differs from any warm-up's, and times both kinds at each). With
+of 1 .. C rows up to the longest context, since `auto`'s trajectory differs from any warm-up's, and times both
+kinds at each). With
 ``rounds`` > 1 the timed runs repeat, interleaved in a balanced order (``round_order``: over as many
 rounds as decoders each runs first once and follows each other decoder once), and each decoder
 reports its median round (every round's aggregate tok/s is kept): on a shared machine one round
@@ -58,6 +59,9 @@ class DecoderRun:
     rounds: List[float] = field(default_factory=list)  # aggregate tok/s of every timed round (this is the median one)
     cpu_s: float = 0.0  # process CPU time of the whole run (prefill included, every thread)
     cpu_rounds: List[float] = field(default_factory=list)  # generated tokens per CPU second, every round
+    # our engine's steps, each [batch size, drafted (0/1), head pass width, ms]; then every round's (``step_rounds``)
+    step_log: List[list] = field(default_factory=list)
+    step_rounds: List[List[list]] = field(default_factory=list)
 
     @property
     def cpu_tps(self) -> float:
@@ -83,7 +87,7 @@ class DecoderRun:
     def acceptance(self) -> List[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
-    def to_json(self) -> dict:
+    def to_json(self, step_logs: bool = False) -> dict:
         out = {"generated": self.generated, "aggregate_tok_per_s": round(self.aggregate_tps, 2),
                "per_stream_tok_per_s": round(self.per_stream_tps, 2)}
         if self.steps:
@@ -94,6 +98,8 @@ class DecoderRun:
         if len(self.rounds) > 1:
             out["aggregate_tok_per_s_rounds"] = [round(r, 2) for r in self.rounds]
             out["tok_per_cpu_s_rounds"] = [round(r, 2) for r in self.cpu_rounds]
+        if step_logs and self.step_rounds:
+            out["step_log_rounds"] = self.step_rounds
         return out
 
 
@@ -135,7 +141,9 @@ def engine_decode(m: MTPModel, prompts: Sequence[Sequence[int]], max_tokens: int
     return DecoderRun([s.out for s in streams], [s.first_token_s for s in streams], [s.done_s for s in streams],
                       steps=len(engine.log), drafted_steps=sum(r.drafted for r in engine.log),
                       accepted=[sum(s.stats.accepted) for s in streams],
-                      proposed=[sum(s.stats.proposed) for s in streams])
+                      proposed=[sum(s.stats.proposed) for s in streams],
+                      step_log=[[len(r.streams), int(r.drafted), r.head_width, round(1e3 * r.seconds, 3)]
+                                for r in engine.log])
 
 
 def auto_vs_best(auto: float, *fixed: float) -> float:
@@ -174,10 +182,12 @@ def paired_ratio(own: Sequence[float], against: Dict[str, Sequence[float]]) -> O
 
 def timed_rounds(decoders: Dict[str, Callable[[], DecoderRun]], rounds: int,
                  on_run: Optional[Callable[[DecoderRun], None]] = None,
-                 on_start: Optional[Callable[[str, int], None]] = None) -> Dict[str, DecoderRun]:
+                 on_start: Optional[Callable[[str, int], None]] = None,
+                 settle: Optional[Callable[[], None]] = None) -> Dict[str, DecoderRun]:
     """Each decoder's timed run ``rounds`` times in the balanced order (``round_order``), the garbage collected
     and MLX's buffer cache cleared before every run; per decoder its median run, holding every round's
-    aggregate tok/s and tokens per CPU second. ``on_start(name, round)`` before each run, ``on_run(run)`` after."""
+    aggregate tok/s and tokens per CPU second. ``on_start(name, round)`` before each run, ``on_run(run)`` after;
+    ``settle()`` right before each run, after the collection (what brings the machine to a steady state)."""
     timed: Dict[str, List[DecoderRun]] = {name: [] for name in decoders}
     names = list(decoders)
     for i in range(rounds):
@@ -186,6 +196,8 @@ def timed_rounds(decoders: Dict[str, Callable[[], DecoderRun]], rounds: int,
                 on_start(name, i)
             gc.collect()  # the last run's garbage is not collected on this run's time
             mx.clear_cache()
+            if settle:
+                settle()
             c0 = time.process_time()
             run = decoders[name]()
             run.cpu_s = time.process_time() - c0
@@ -198,6 +210,7 @@ def timed_rounds(decoders: Dict[str, Callable[[], DecoderRun]], rounds: int,
         runs[name] = ranked[(len(ranked) - 1) // 2]
         runs[name].rounds = [r.aggregate_tps for r in done]
         runs[name].cpu_rounds = [r.cpu_tps for r in done]
+        runs[name].step_rounds = [r.step_log for r in done if r.step_log]
     return runs
 
 
@@ -225,9 +238,9 @@ class ConcurrencyRow:
         ref = self.runs["plain"].tokens
         return {name: run.tokens == ref for name, run in self.runs.items() if name != "plain"}
 
-    def to_json(self, greedy: bool) -> dict:
+    def to_json(self, greedy: bool, step_logs: bool = False) -> dict:
         out = {"concurrency": self.concurrency, "depth": self.depth,
-               "decoders": {name: run.to_json() for name, run in self.runs.items()},
+               "decoders": {name: run.to_json(step_logs) for name, run in self.runs.items()},
                "speedup_mtp": round(self.speedup("mtp"), 3), "speedup_auto": round(self.speedup("auto"), 3),
                "speedup_plain_engine": round(self.speedup("plain"), 3), "auto_vs_best": round(self.auto_vs_best(), 3)}
         paired = {"auto_vs_best_paired": self.paired("auto", ("batchgen", "plain", "mtp")),
@@ -255,12 +268,13 @@ class ConcurrencyResult:
         losing = [r.concurrency for r in self.rows if r.depth == depth and r.speedup(decoder) < 1]
         return min(losing) if losing else None
 
-    def to_json(self) -> dict:
+    def to_json(self, step_logs: bool = False) -> dict:
+        """``step_logs``: every round's steps of our engine's decoders too (``DecoderRun.step_log``)."""
         depths = sorted({r.depth for r in self.rows})
         return {
             "path": self.path, "sampling": vars(self.sampling), "max_tokens": self.max_tokens,
             "prompts": self.prompts, "device": str(mx.default_device()), "baseline": BASELINE,
-            "rows": [r.to_json(self.sampling.greedy) for r in self.rows],
+            "rows": [r.to_json(self.sampling.greedy, step_logs) for r in self.rows],
             "crossover": {str(d): {"mtp": self.crossover(d), "auto": self.crossover(d, "auto")} for d in depths},
         }
 
@@ -269,9 +283,10 @@ def bench_concurrency(
     m: MTPModel, path: str, encoded: Sequence[Sequence[int]], concurrency: Sequence[int], max_tokens: int = 64,
     depths: Sequence[int] = (1,), sampling: Sampling = Sampling(), seed: int = 0, hidden: str = "post-norm",
     on_tokens: Optional[Callable[[int], None]] = None, rounds: int = 1, progress: Optional[Progress] = None,
+    settle: Optional[Callable[[], None]] = None,
 ) -> ConcurrencyResult:
     """Stream i of a level takes prompt i mod len(encoded); stream i samples with seed + i. Each decoder
-    reports its median of ``rounds`` interleaved timed runs. ``progress`` counts the runs, warm-up included
+    reports its median of ``rounds`` interleaved timed runs (``settle``: see ``timed_rounds``). ``progress`` counts the runs, warm-up included
     (stage "bench")."""
     result = ConcurrencyResult(path, sampling, max_tokens, len(encoded))
     count = Counter(progress, "bench", len(depths) * len(concurrency) * (3 + 4 * rounds), "runs")
@@ -286,7 +301,7 @@ def bench_concurrency(
                 "mtp": lambda: engine_decode(m, prompts, max_tokens, sampling, seed, depth, "mtp", hidden),
             }
             # every pass shape of 1 .. c rows, whatever auto's trajectory, and both kinds timed at each
-            cal = calibrate(m, depth, c, hidden)
+            cal = calibrate(m, depth, c, hidden, context=max(len(p) for p in prompts) + max_tokens)
             for run in decoders.values():  # warm-up: compiles every shape the timed runs meet
                 run()
                 count.add()
@@ -300,6 +315,7 @@ def bench_concurrency(
                 count.add()
 
             runs = timed_rounds(decoders, rounds, done,
-                                on_start=lambda name, i: count.at(f"{level}: round {i + 1}/{rounds}, {name}"))
+                                on_start=lambda name, i: count.at(f"{level}: round {i + 1}/{rounds}, {name}"),
+                                settle=settle)
             result.rows.append(ConcurrencyRow(c, depth, runs, policy))
     return result
