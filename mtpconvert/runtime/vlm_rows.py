@@ -8,7 +8,7 @@ families whose backbone only mlx-vlm loads.
 ``begin_passes``  what that ``forward`` calls.
 ``RightAlignedRows``  an attention layer's arrays for rows of different lengths, right-aligned (row r holds its
     positions at ``[pad_r, size)``) as mlx-vlm's left-padded batches are: each row's own cut a shift right; a
-    family's sparse-attention rows (glm5_next's, qwen4_exp's) name the arrays and give the views its layers read.
+    family's sparse-attention rows name the arrays and give the views its layers read.
 """
 
 from __future__ import annotations
