@@ -322,69 +322,98 @@ def test_layerwise_check_predicts_what_the_loaded_model_predicts(converted, opti
     assert layerwise.head_next == full.head_next and layerwise.head_next_without_mlp == full.head_next_without_mlp
 
 
-def test_batched_decoding_is_refused_with_the_reason(converted):
-    """The refusals name the blocking cache kind, and the mechanism is what they say on the loaded model: the backbone's
-    attention layers and the head keep mlx-vlm's QSAKVCache, a ragged commit of mlx-vlm's speculative transaction
-    over a real two-row pass keeps the longer row's cut in both rows; and mlx-vlm's left-padded batch of two rows of
-    different lengths (its own merge of their caches) decodes one-token passes otherwise than each row alone once
-    the indexer selects blocks, where its two-token passes equal the rows' one-token solo steps exactly. Should
-    mlx-vlm come to cut QSAKVCache per row or decode padded rows as alone, this fails and the family can be batched."""
-    from mlx_vlm.models.cache import ArraysCache
-    from mlx_vlm.models.qwen4_exp.language import BatchQSAKVCache, QSAKVCache
+@pytest.fixture(scope="module")
+def bf16(releases, tmp_path_factory):
+    return api.convert(releases["per-expert"].path, tmp_path_factory.mktemp("qwen4_exp_bf16") / "out",
+                       ConvertOptions(dtype="bfloat16"), checks=NO_CHECKS).out
 
-    from mtpconvert.errors import OptionsError
-    from mtpconvert.options import BenchOptions
-    from mtpconvert.runtime.decoding.batched import Stream, run_batch
+
+@pytest.mark.parametrize("option", ["float32", "q4", "bf16"])
+def test_batched_rows_equal_solo_greedy(converted, bf16, option, monkeypatch):
+    """Batched MTP through the family's adapter (``rows.py``: right-aligned QSA rows, one-token passes over padded
+    rows masked by the rows' key validity rather than mlx-vlm's ``left_padded_decode``; mlx-vlm's ArraysCache
+    committing each row's prefix of the linear attention and the n-gram embedding's window and token history):
+    rows of different prompt lengths, joining at different steps, decode past the QSA indexer's budget, and equal the
+    plain batched engine's and their solo plain greedy decodes. The indexer is watched selecting blocks for a padded
+    row in a one-token pass (what mlx-vlm's own left-padded batch decodes otherwise than the row alone), so the
+    test cannot pass on dense attention only."""
+    from mlx_vlm.models.qwen4_exp.language import Qwen4ExpQSAIndexer
+
     from mtpconvert.runtime.decoding.load import load
-    from tests.vlm_rows import kinds, ragged_commit
+    from tests.test_batched import assert_batched_rows_equal_solo
 
-    folder = converted["per-expert", "float32"]
-    reason = r"one stream at a time: its attention layers and its head keep mlx-vlm's QSAKVCache.*BatchQSAKVCache"
-    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the qwen4_exp family.*QSAKVCache"):
-        api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
-    m = load(folder)
-    with pytest.raises(ValueError, match=r"batched MTP does not run the qwen4_exp family.*" + reason):
-        run_batch(m, [Stream(IDS[:8], 4)], 1, "mtp")
-    with pytest.raises(ValueError, match="QSAKVCache"):
-        m.backbone.row_cache(max_pass=2, rows=2)
+    selected = []
+    build_mask = Qwen4ExpQSAIndexer.build_mask
 
-    assert "QSAKVCache" in kinds(m.backbone.make_cache()) and kinds(m.head.make_cache()) == {"QSAKVCache"}
-    prompt = [IDS[:8], IDS[2:10]]
-    chosen, error = ragged_commit(m, "QSAKVCache", prompt, keep=[1, 3], fed=[IDS[10:13], IDS[11:14]])
-    assert error is None and chosen
-    assert all(c.offset == len(prompt[0]) + 3 for c in chosen)  # one cursor: the first row keeps 3, not 1
+    def watched(indexer, selection):
+        sparse = selection.complete_counts > indexer.block_topk
+        padded = selection.left_padding > 0
+        if selection.selected_blocks.shape[1] == 1 and bool(mx.any(sparse[:, 0] & padded)):
+            selected.append(selection.selected_blocks)
+        return build_mask(indexer, selection)
 
-    rows = [IDS[1:6], IDS[3:11]]  # 5 and 8 tokens: the first row left-padded by 3 in the batch
-    fed = [[[(7 * i + 3) % 400 + 20], [(11 * i + 5) % 400 + 20]] for i in range(12)]
+    monkeypatch.setattr(Qwen4ExpQSAIndexer, "build_mask", watched)
+    m = load(bf16 if option == "bf16" else converted["per-expert", option])
+    assert m.family.capabilities.batched
+    assert_batched_rows_equal_solo(m, [IDS[i % 3: 5 + i] for i in range(6)], monkeypatch)
+    assert selected, "no padded row's one-token pass selected blocks: the rows never outgrew the indexer's budget"
+
+
+def test_a_padded_rows_one_token_pass_is_that_row_alone(converted):
+    """Two rows of 5 and 8 tokens in per-row caches (the first padded by 3), then one-token passes past the indexer's
+    budget: each row's logits are its solo decode's, bit for bit. mlx-vlm's own mask for that pass,
+    ``"left_padded_decode"``, into which its QSA attention cannot fold the selected blocks' mask, puts the padded
+    rows apart from their solo decode from the first pass in which their indexer selects."""
+    from mlx_vlm.models.qwen3_5.language import _create_qwen3_5_attention_mask
+
+    from mtpconvert.runtime.decoding.load import load
+
+    m = load(converted["per-expert", "float32"])
+    rows = [IDS[1:6], IDS[3:11]]
+    fed = [[(7 * i + 3) % 400 + 20, (11 * i + 5) % 400 + 20] for i in range(12)]
+    budget = (m.backbone.args.indexer_budget // m.backbone.args.indexer_compress_ratio + 1) * \
+        m.backbone.args.indexer_compress_ratio  # the first key count at which a one-token pass selects blocks
 
     def logits(tokens, cache):
         return m.logits(m.backbone.forward(mx.array(tokens), cache)[1])
 
-    def prefilled():
-        caches = []
+    def apart(theirs: bool) -> list:
+        solo, batch = [], None
         for r in rows:
-            caches.append(m.backbone.make_cache())
-            m.backbone.forward(mx.array([r]), caches[-1])
-        return caches
+            solo.append(m.backbone.make_cache())
+            m.backbone.forward(mx.array([r]), solo[-1])
+            c = m.backbone.row_cache(max_pass=2, rows=1)
+            m.backbone.forward(mx.array([r]), c)
+            batch = c if batch is None else [a.extend(b) or a for a, b in zip(batch, c)]
+        attention = batch[m.backbone.text.model.fa_idx]
+        assert attention.pad == [3, 0]
+        out = []
+        for step in fed:
+            if theirs:
+                mask = _create_qwen3_5_attention_mask(mx.zeros((2, 1, 1)), attention)
+                assert mask == "left_padded_decode"
+                hidden = m.backbone._one_token_rows(mx.array(step)[:, None], batch, attention.positions(1), mask)
+                together = m.logits(hidden)[:, 0]
+            else:
+                together = logits([[t] for t in step], batch)[:, 0]
+            alone = [logits([[t]], c)[0, 0] for t, c in zip(step, solo)]
+            out.append([(n, mx.max(mx.abs(together[r] - alone[r])).item()) for r, n in
+                        enumerate(attention.lengths)])  # the keys the pass read (the row's length after it)
+        return out
 
-    def batch_of(solo):
-        return [BatchQSAKVCache.merge(list(c)) if isinstance(c[0], QSAKVCache) else ArraysCache.merge(list(c))
-                for c in zip(*solo)]
+    ours, theirs = apart(False), apart(True)
+    print("max |batch - alone| per step and row (keys read, difference): ours", ours, "mlx-vlm's mask", theirs)
+    assert all(d == 0 for step in ours for _, d in step)
+    assert all(d == 0 for step in theirs for n, d in step if n < budget)
+    assert min(d for step in theirs for n, d in step if n >= budget) > 1e-4
 
-    solo, padded = prefilled(), batch_of(prefilled())
-    apart = []
-    for step in fed:
-        alone = [logits([t], c)[0, 0] for t, c in zip(step, solo)]
-        together = logits(step, padded)[:, 0]
-        apart.append(max(mx.max(mx.abs(together[r] - alone[r])).item() for r in range(2)))
-    assert apart[0] == 0 and max(apart) > 1e-4, apart  # equal until the indexer selects, then apart
 
-    solo, padded = prefilled(), batch_of(prefilled())
-    paired = []
-    for a, b in zip(fed[::2], fed[1::2]):  # the same tokens as two-token passes
-        pairs = [[a[r][0], b[r][0]] for r in range(2)]
-        together = logits(pairs, padded)
-        paired.append(max(mx.max(mx.abs(together[r, j] - logits([[pairs[r][j]]], c)[0, 0])).item()
-                          for r, c in enumerate(solo) for j in range(2)))
-    print("one-token passes, max |batch - alone| per step:", apart, "two-token passes:", paired)
-    assert max(paired) < max(apart) / 100, (paired, apart)  # rounding, where one-token passes differ in kind
+def test_bench_concurrency_is_refused_naming_its_baseline(converted):
+    """The batched bench divides by mlx-lm's BatchGenerator, which cannot run an mlx-vlm model: refused before
+    loading, naming the baseline (batched MTP itself runs the family)."""
+    from mtpconvert.errors import OptionsError
+    from mtpconvert.options import BenchOptions
+
+    with pytest.raises(OptionsError, match=r"--concurrency: the batched bench's baseline, mlx-lm's BatchGenerator, "
+                                           r"does not run the qwen4_exp backbone \(mlx-vlm's model\)"):
+        api.bench(converted["per-expert", "float32"], BenchOptions(concurrency=(1, 2), max_tokens=4))

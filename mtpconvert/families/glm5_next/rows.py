@@ -19,125 +19,31 @@ A linear-attention layer keeps mlx-vlm's ``ArraysCache`` (``runtime.vlm_rows.Row
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import mlx.core as mx
 
+from ...runtime.vlm_rows import RightAlignedRows
 
-class SparseRows:
+
+class SparseRows(RightAlignedRows):
     """One sparse-attention layer's caches for B rows (module doc), indexed as the layer indexes mlx-vlm's
     ``CacheList``: [latents, validity, pools, projected] with an indexer of its own, [latents, projected] without."""
 
+    # the latents [B, 1, size, kv_lora_rank]; the indexer's raw keys [B, size, index_head_dim] and gates
+    ARRAYS = (("latent", 2), ("index_keys", 1), ("index_gates", 1))
+
     def __init__(self, rows: int, index_kpool: Optional[int]):
+        super().__init__(rows)
         self.kpool = index_kpool
-        self.pad: List[int] = [0] * rows
-        self.size = 0
-        self.latent: Optional[mx.array] = None  # [B, 1, size, kv_lora_rank]
-        self.index_keys: Optional[mx.array] = None  # [B, size, index_head_dim]
-        self.index_gates: Optional[mx.array] = None
         self.caches = [_Latents(self), _Validity(self), _Pools(self), _NoProjection()] if index_kpool else \
             [_Latents(self), _NoProjection()]
 
     def __getitem__(self, i):
         return self.caches[i]
 
-    @property
-    def lengths(self) -> List[int]:
-        return [self.size - p for p in self.pad]
-
-    @property
-    def offset(self):
-        """Tokens each row holds: an int when all rows hold the same number."""
-        lengths = self.lengths
-        return lengths[0] if len(set(lengths)) == 1 else mx.array(lengths)
-
-    @property
-    def state(self):
-        return [x for x in (self.latent, self.index_keys, self.index_gates) if x is not None]
-
-    # the arrays a row operation applies to, and their position axis
-    ARRAYS = (("latent", 2), ("index_keys", 1), ("index_gates", 1))
-
-    def _map(self, fn) -> None:
-        for name, axis in self.ARRAYS:
-            x = getattr(self, name)
-            if x is not None:
-                setattr(self, name, fn(x, axis))
-
-    def trim_rows(self, n: Sequence[int]) -> None:
-        """Take back the last n[r] positions of row r."""
-        lengths = self.lengths
-        if any(not 0 <= x <= length for x, length in zip(n, lengths)):
-            raise ValueError(f"cannot trim {list(n)} from rows of lengths {lengths}")
-        common = min(n)
-        if common:
-            self.size -= common
-            self._map(lambda x, axis: _take(x, axis, mx.arange(self.size)))
-        extra = [x - common for x in n]
-        if any(extra):  # shift each row right by its extra cut: its dropped positions become padding
-            source = (mx.arange(self.size)[None] - mx.array(extra)[:, None]) % max(self.size, 1)  # [B, size]
-            self._map(lambda x, axis: mx.take_along_axis(x, source.reshape(_index_shape(x, axis, source)), axis=axis))
-            self.pad = [p + e for p, e in zip(self.pad, extra)]
-
-    def trim(self, n: int) -> int:
-        self.trim_rows([n] * len(self.pad))
-        return n
-
-    def add_empty_row(self) -> None:
-        self.pad.append(self.size)
-        self._map(lambda x, axis: mx.concatenate([x, mx.zeros((1,) + x.shape[1:], x.dtype)]))
-
-    def filter(self, rows: Sequence[int]) -> None:
-        idx = mx.array(list(rows))
-        self._map(lambda x, axis: x[idx])
-        self.pad = [self.pad[r] for r in rows]
-        drop = min(self.pad)  # padding every row has
-        if drop:
-            self.size -= drop
-            self.pad = [p - drop for p in self.pad]
-            self._map(lambda x, axis: _take(x, axis, mx.arange(drop, drop + self.size)))
-
-    def extend(self, other: "SparseRows") -> None:
-        """Append ``other``'s rows after this cache's, both right-aligned at the longer one's size."""
-        size = max(self.size, other.size)
-        for c in (self, other):
-            grow = size - c.size
-            if grow:
-                c._map(lambda x, axis: mx.concatenate(
-                    [mx.zeros(x.shape[:axis] + (grow,) + x.shape[axis + 1:], x.dtype), x], axis=axis))
-                c.pad, c.size = [p + grow for p in c.pad], size
-        for name, axis in self.ARRAYS:
-            a, b = getattr(self, name), getattr(other, name)
-            if a is None and b is None:
-                continue
-            if a is None or b is None:
-                raise ValueError("cannot join rows that hold nothing yet with rows that do")
-            setattr(self, name, mx.concatenate([a, b]))
-        self.pad = self.pad + other.pad
-
-    # what the views below give the layer
-
-    def append(self, name: str, x: mx.array, axis: int) -> mx.array:
-        have = getattr(self, name)
-        setattr(self, name, x if have is None else mx.concatenate([have, x], axis=axis))
-        return getattr(self, name)
-
-    def validity(self) -> mx.array:
-        return mx.arange(self.size)[None] >= mx.array(self.pad)[:, None]  # [B, size]
-
     def pool_counts(self) -> List[int]:
         return [(self.size - p) // self.kpool for p in self.pad]
-
-
-def _take(x: mx.array, axis: int, idx: mx.array) -> mx.array:
-    return mx.take(x, idx, axis=axis)
-
-
-def _index_shape(x: mx.array, axis: int, source: mx.array):
-    """``source`` [B, size] broadcast to index ``x`` along ``axis``."""
-    shape = [1] * x.ndim
-    shape[0], shape[axis] = source.shape
-    return shape
 
 
 class _Latents:

@@ -107,13 +107,6 @@ HEAD = HeadDesign(
     norms_zero_centred=True,
 )
 
-BATCHED_BLOCKER = (
-    "its attention layers and its head keep mlx-vlm's QSAKVCache, one write cursor for all rows (a ragged commit of "
-    "mlx-vlm's speculative transaction keeps the longest row's cut in every row), and mlx-vlm's one per-row twin of "
-    "it, the left-padded BatchQSAKVCache, decodes a one-token pass with a padded row otherwise than that row alone "
-    "once the QSA indexer selects blocks (its two-token passes are exact): the plain steps of rows of different "
-    "lengths would not be their solo decode")
-
 FAMILY = Family(
     name="qwen4_exp",
     title="Qwen3.8-Flash-Next (hyper-connections, n-gram embeddings, sparse attention, MoE)",
@@ -124,7 +117,7 @@ FAMILY = Family(
     mtp_layouts=("sidecar",),
     head_prefix=HEAD_PREFIX,
     lm_head=LM_HEAD,
-    capabilities=Capabilities(batched=False, pre_norm_hidden=False, batched_blocker=BATCHED_BLOCKER),
+    capabilities=Capabilities(batched=True, pre_norm_hidden=False),
     backbone="mtpconvert.families.qwen4_exp.backbone:Qwen4ExpBackbone",
     compat="mtpconvert.families.qwen4_exp.compat:rows",
     spec=model_spec,

@@ -21,6 +21,8 @@ import mlx.nn as nn
 from mlx_vlm.models.qwen3_5.language import _create_qwen3_5_attention_mask
 from mlx_vlm.models.qwen4_exp.language import QSAKVCache, Qwen4ExpDecoderLayer, Qwen4ExpGatedResidual, Qwen4ExpRMSNorm
 
+from .rows import QSARows
+
 
 class Qwen4ExpHead(nn.Module):
     def __init__(self, text_config, num_layers: int = 1):
@@ -40,6 +42,10 @@ class Qwen4ExpHead(nn.Module):
     def make_cache(self) -> List[QSAKVCache]:
         return [QSAKVCache() for _ in self.layers]
 
+    def row_cache(self, rows: int) -> list:
+        """The batched engine's per-row twin of ``make_cache`` (``rows.QSARows``)."""
+        return [QSARows(rows) for _ in self.layers]
+
     def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: Optional[list] = None,
                  step: int = 0) -> mx.array:
         """hidden: the backbone's pre-mixer states [B, L, hc * H]; next_embeddings: embed(t+1) [B, L, H]. Returns
@@ -49,9 +55,12 @@ class Qwen4ExpHead(nn.Module):
         x = (a[..., None, :] + self.fc_hidden(streams)).reshape(hidden.shape)
         idx = step % len(self.layers)
         c = cache[idx] if cache is not None else None
-        start = c.offset if c is not None else 0
-        positions = (mx.arange(x.shape[1], dtype=mx.int32) + start)[None, :]
-        mask = _create_qwen3_5_attention_mask(x, c)
+        if isinstance(c, QSARows):  # each row at its own positions, a padded row's one-token pass masked (rows.py)
+            positions, mask = c.positions(x.shape[1]), c.attention_mask(x.shape[1])
+        else:
+            start = c.offset if c is not None else 0
+            positions = (mx.arange(x.shape[1], dtype=mx.int32) + start)[None, :]
+            mask = _create_qwen3_5_attention_mask(x, c)
         return self.layers[idx](x, None, mask=mask, cache=c, position_ids=positions)
 
     def readout(self, state: mx.array) -> mx.array:
