@@ -428,7 +428,7 @@ def test_add_mtp_grafts_the_fp8_releases_head_onto_a_headless_folder(hub, releas
     assert not {dtype for dtype, _, _ in grafted.values()} & {"F8_E4M3", "F8_E8M0", "I8"}
 
 
-@pytest.mark.parametrize("option", ["float32", "bfloat16", "float32-hisa"])
+@pytest.mark.parametrize("option", ["float32", "bfloat16", "q4", "float32-hisa"])
 def test_batched_rows_equal_solo_greedy(converted, option, monkeypatch, tmp_path):
     """Batched MTP through the family's adapter (``rows.py``: sliding-window rows at their own RoPE positions, pools
     kept per row and pooled as each row completes a window): rows of different prompt lengths equal the plain
