@@ -428,33 +428,85 @@ def test_add_mtp_grafts_the_fp8_releases_head_onto_a_headless_folder(hub, releas
     assert not {dtype for dtype, _, _ in grafted.values()} & {"F8_E4M3", "F8_E8M0", "I8"}
 
 
-def test_batched_decoding_is_refused_with_the_reason(converted):
-    """The refusals name the blocking cache kinds, and the mechanism is what they say on the loaded model: its
-    sliding-window attention (backbone and head) keeps mlx-vlm's RotatingKVCache and its compressed layers
-    PoolingCache, and mlx-vlm's speculative transaction refuses a ragged commit of either over a real two-row pass;
-    mlx-vlm's own model says it needs uniform acceptance. Should mlx-vlm come to cut them per row, this fails and the
-    family can be batched."""
+@pytest.mark.parametrize("option", ["float32", "bfloat16", "q4", "float32-hisa"])
+def test_batched_rows_equal_solo_greedy(converted, option, monkeypatch, tmp_path):
+    """Batched MTP through the family's adapter (``rows.py``: sliding-window rows at their own RoPE positions, pools
+    kept per row and pooled as each row completes a window): rows of different prompt lengths equal the plain
+    batched engine's and their solo plain greedy decodes (mlx-vlm's own caches, one stream). The prompts and decodes
+    are long enough that every row's window slides, the ratio-4 pools (compressed attention and indexer) pass
+    ``index_topk`` (sparse selection) and the ratio-128 pool completes its first window while rows decode; the
+    record below asserts that rows of different lengths were cut in one step past the window and back across a pool
+    window's end, so the comparison covers what the rows' caches do. ``hisa``: mlx-vlm's HISA fields set to the
+    fixture's scale (its hierarchical selection from 6 pools on, as the release's from 1024): a row alone selects
+    hierarchically where a batch of rows of different pool counts would score them all, so the indexer runs row by
+    row there (``RowsIndexer``)."""
+    from mlx_vlm.models.deepseek_v4.language import Indexer
+
+    from mtpconvert.families.deepseek_v4 import rows
+    from mtpconvert.families.deepseek_v4.rows import PoolRows, WindowRows
+    from mtpconvert.runtime.decoding.load import load
+    from tests.checkpoints import VOCAB
+    from tests.test_batched import assert_batched_rows_equal_solo
+
+    dtype, _, variant = option.partition("-")
+    folder = converted["bf16", dtype]
+    if variant:
+        folder = Path(shutil.copytree(folder, tmp_path / option))
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(dict(config, index_block=2, index_keep=3)))
+    m = load(folder)
+    args = m.backbone.args
+    seen = {"ragged window cut": 0, "ragged pooling": set(), "pool window taken back": set(), "sparse": 0,
+            "hierarchical": 0, "rows indexed apart": 0}
+    cut_window, cut_pool, accumulate = WindowRows.trim_rows, PoolRows.trim_rows, PoolRows.accumulate_windows
+    hierarchical, one_row = Indexer._hisa_select, rows._OneRowPools.__init__
+
+    def window_trim(self, n):
+        if len(set(n)) > 1 and min(self.lengths) > args.sliding_window:
+            seen["ragged window cut"] += 1
+        cut_window(self, n)
+
+    def pool_trim(self, n):
+        if any((length - x) // self.ratio < length // self.ratio for length, x in zip(self.lengths, n)):
+            seen["pool window taken back"].add(self.ratio)
+        cut_pool(self, n)
+
+    def pool_accumulate(self, kv, gate, offset):
+        out = accumulate(self, kv, gate, offset)
+        if out[0].shape[1] and len(set(self.lengths)) > 1:
+            seen["ragged pooling"].add(self.ratio)
+        seen["sparse"] += self.ratio == 4 and max(self.counts) > args.index_topk
+        return out
+
+    def hisa(self, *a):
+        seen["hierarchical"] += 1
+        return hierarchical(self, *a)
+
+    def row_apart(self, *a):
+        seen["rows indexed apart"] += 1
+        one_row(self, *a)
+
+    monkeypatch.setattr(WindowRows, "trim_rows", window_trim)
+    monkeypatch.setattr(PoolRows, "trim_rows", pool_trim)
+    monkeypatch.setattr(PoolRows, "accumulate_windows", pool_accumulate)
+    monkeypatch.setattr(Indexer, "_hisa_select", hisa)
+    monkeypatch.setattr(rows._OneRowPools, "__init__", row_apart)
+    # one short prompt (a prefill of single-token passes), the others ending up to 28 tokens before the first
+    # ratio-128 window closes
+    lengths = [100, 121, 6, 113, 126, 118]
+    prompts = [[(7 * i + 3 * j + 1) % VOCAB for i in range(n)] for j, n in enumerate(lengths)]
+    assert_batched_rows_equal_solo(m, prompts, monkeypatch)
+    assert seen["ragged window cut"] and seen["sparse"], seen
+    assert seen["ragged pooling"] == seen["pool window taken back"] == {4, 128}, seen
+    assert bool(seen["hierarchical"]) == bool(seen["rows indexed apart"]) == bool(variant), seen
+
+
+def test_bench_concurrency_is_refused_naming_its_baseline(converted):
+    """The batched bench divides by mlx-lm's BatchGenerator, which cannot run an mlx-vlm model: refused before
+    loading, naming the baseline (batched MTP itself runs it: the test above)."""
     from mtpconvert.errors import OptionsError
     from mtpconvert.options import BenchOptions
-    from mtpconvert.runtime.decoding.batched import Stream, run_batch
-    from mtpconvert.runtime.decoding.load import load
-    from tests.vlm_rows import kinds, ragged_commit
 
-    folder = converted["bf16", "float32"]
-    reason = r"one stream at a time: its sliding-window attention .* RotatingKVCache.* PoolingCache"
-    with pytest.raises(OptionsError, match=r"--concurrency: batched MTP does not run the deepseek_v4 family.*Rotating"):
-        api.bench(folder, BenchOptions(concurrency=(1, 2), max_tokens=4))
-    m = load(folder)
-    with pytest.raises(ValueError, match=r"batched MTP does not run the deepseek_v4 family.*" + reason):
-        run_batch(m, [Stream(IDS[:8], 4)], 1, "mtp")
-    with pytest.raises(ValueError, match="RotatingKVCache"):
-        m.backbone.row_cache(max_pass=2, rows=2)
-
-    assert {"RotatingKVCache", "PoolingCache"} <= kinds(m.backbone.make_cache())
-    assert kinds(m.head.make_cache()) == {"RotatingKVCache"}
-    assert m.backbone.text.requires_uniform_batch_acceptance
-    rows, keep, fed = [IDS[:8], IDS[2:10]], [1, 3], [IDS[10:13], IDS[11:14]]
-    chosen, error = ragged_commit(m, "RotatingKVCache", rows, keep, fed)
-    assert chosen and isinstance(error, RuntimeError) and "requires uniform acceptance" in str(error)
-    chosen, error = ragged_commit(m, "PoolingCache", rows, keep, fed)
-    assert chosen and isinstance(error, ValueError) and "requires uniform batch commit lengths" in str(error)
+    with pytest.raises(OptionsError, match=r"--concurrency: the batched bench's baseline, mlx-lm's BatchGenerator, "
+                                           r"does not run the deepseek_v4 backbone \(mlx-vlm's model\)"):
+        api.bench(converted["bf16", "float32"], BenchOptions(concurrency=(1, 2), max_tokens=4))

@@ -170,12 +170,6 @@ HEAD = HeadDesign(
     norms_zero_centred=False,
 )
 
-BATCHED_BLOCKER = (
-    "its sliding-window attention (the backbone's and the head's) keeps mlx-vlm's RotatingKVCache, whose speculative "
-    "transaction refuses a ragged commit ('This rotating cache requires uniform acceptance'), and its compressed "
-    "layers pool keys into PoolingCache, which refuses one too; mlx-vlm's own deepseek_v4 LanguageModel says "
-    "requires_uniform_batch_acceptance")
-
 FAMILY = Family(
     name="deepseek_v4",
     title="DeepSeek-V4-Flash (hyper-connections, compressed sparse attention, hash and score routed MoE)",
@@ -186,7 +180,7 @@ FAMILY = Family(
     mtp_layouts=("sidecar",),
     head_prefix=HEAD_PREFIX,
     lm_head=LM_HEAD,
-    capabilities=Capabilities(batched=False, pre_norm_hidden=False, batched_blocker=BATCHED_BLOCKER),
+    capabilities=Capabilities(batched=True, pre_norm_hidden=False),
     backbone="mtpconvert.families.deepseek_v4.backbone:DeepseekV4Backbone",
     compat="mtpconvert.families.deepseek_v4.compat:rows",
     spec=model_spec,

@@ -5,7 +5,8 @@ is the hc streams after the last layer, before ``hc_head`` and ``norm`` (``langu
 ``norm`` and ``lm_head`` make the logits (``readout``, ``project``), through mlx-vlm's own projection helper, whose
 short blocks reduce as single tokens do (so a verify pass scores its tokens as one-token decoding does). The
 speculative transaction's rotating caches replay the accepted keys, its pooling caches (the compressed attention's
-and the indexer's) restore their windows and keep the accepted ones.
+and the indexer's) restore their windows and keep the accepted ones. The batched engine's rows keep their own caches
+(``row_cache``, ``rows.py``), each row cut at its own length.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlx_vlm.models.linear import linear
 
 from ...runtime.vlm_backbone import VlmBackbone
 from .head import DeepseekV4Head
+from .rows import LayerRows, PoolRows, RowsIndexer, WindowRows
 
 
 class DeepseekV4Backbone(VlmBackbone):
@@ -69,10 +71,25 @@ class DeepseekV4Backbone(VlmBackbone):
             else (PoolingCache(ratio),)
         return CacheList(local, *pools)
 
+    def row_cache(self, max_pass: int, rows: int) -> list:
+        """Per-row twins of ``_layer_cache`` (``rows.py``): sliding-window keys, and the compressed blocks' pools
+        beside them. Nothing in them is undone by replay, so ``max_pass`` does not bound a cut."""
+        out = []
+        for layer in self.layers:
+            local, ratio = WindowRows([0] * rows), layer.attn.compress_ratio
+            if ratio == 0:
+                out.append(local)
+                continue
+            pools = 2 if isinstance(layer.attn, SparseCompressedAttention) else 1
+            if pools == 2:  # the same module, selecting row by row where mlx-vlm's batch would not as a row alone
+                layer.attn.indexer.__class__ = RowsIndexer
+            out.append(LayerRows(local, *(PoolRows(ratio, rows) for _ in range(pools))))
+        return out
+
     def attention_cache(self, cache: list):
         """The first block's sliding-window cache: its offset is the tokens the model has seen."""
         first = cache[0]
-        return first[0] if isinstance(first, CacheList) else first
+        return first[0] if isinstance(first, (CacheList, LayerRows)) else first
 
     def make_head(self, num_layers: int) -> nn.Module:
         return DeepseekV4Head(self.args)

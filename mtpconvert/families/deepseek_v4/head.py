@@ -64,6 +64,12 @@ class DeepseekV4Head(nn.Module):
     def make_cache(self) -> List[RotatingKVCache]:
         return [RotatingKVCache(max_size=self.sliding_window)]
 
+    def row_cache(self, rows: int) -> list:
+        """The batched engine's per-row twin of ``make_cache`` (``rows.WindowRows``)."""
+        from .rows import WindowRows
+
+        return [WindowRows([0] * rows)]
+
     def __call__(self, hidden: mx.array, next_embeddings: mx.array, cache: Optional[list] = None,
                  step: int = 0) -> mx.array:
         """hidden: the backbone's (or this head's) hc streams [B, L, hc, H]; next_embeddings: embed(t+1) [B, L, H].

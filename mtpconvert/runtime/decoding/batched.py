@@ -121,7 +121,8 @@ class BatchedMTP:
         states = m.backbone.forward(prompts, cache)
         if padded:
             undo_rows(cache, lengths, longest)
-            last = mx.take_along_axis(states[1], mx.array([n - 1 for n in lengths])[:, None, None], axis=1)[:, 0]
+            at = mx.array([n - 1 for n in lengths]).reshape((-1,) + (1,) * (states[1].ndim - 1))
+            last = mx.take_along_axis(states[1], at, axis=1)[:, 0]
         else:
             last = states[1][:, -1]
         last = m.logits(last)  # [G, V]
@@ -286,7 +287,9 @@ class BatchedMTP:
         passes, width = head_passes(max(counts), k)
         total = passes * width
         pending = [pending_states(s) for s in rows]
-        hidden = mx.stack([mx.pad(h, [(0, total - n), (0, 0)]) if n < total else h for h, n in zip(pending, counts)])
+        # a state per position: [n, H], or [n, streams, H] where the backbone keeps several (hyper-connections)
+        hidden = mx.stack([mx.pad(h, [(0, total - n)] + [(0, 0)] * (h.ndim - 1)) if n < total else h
+                           for h, n in zip(pending, counts)])
         nexts = mx.array([s.pend_t + [0] * (total - n) for s, n in zip(rows, counts)])
         outs = []
         for i in range(passes):  # each pass writes `width` positions per row, then drops the row's padding
@@ -295,8 +298,8 @@ class BatchedMTP:
             self.head_cache[0].trim_rows([width - min(max(n - i * width, 0), width) for n in counts])
         x = outs[0] if passes == 1 else mx.concatenate(outs, axis=1)
         if min(counts) < total:
-            last = mx.array([n - 1 for n in counts])[:, None, None]
-            x = mx.take_along_axis(x, last, axis=1)  # [B, 1, H]: each row's last pending position
+            last = mx.array([n - 1 for n in counts]).reshape((-1,) + (1,) * (x.ndim - 1))
+            x = mx.take_along_axis(x, last, axis=1)  # [B, 1, ...]: each row's last pending position
         else:
             x = x[:, -1:]
         batched = all(simple(s) for s in rows)
