@@ -406,8 +406,7 @@ def _bench_concurrency(path: Path, options: BenchOptions, sampling, on_tokens, e
     family = family_for(open_checkpoint(path).config)
     if not family.capabilities.batched:
         raise OptionsError(f"--concurrency: batched MTP does not run the {family.name} family "
-                           f"({family.head.forward} head): it benches one stream at a time (leave --concurrency out)"
-                           f"{family.capabilities.batched_refusal()}")
+                           f"({family.head.forward} head): it benches one stream at a time (leave --concurrency out)")
     if family.backbone_library != "mlx-lm":  # the baseline every speedup divides by runs mlx-lm's models only
         raise OptionsError(f"--concurrency: the batched bench's baseline, mlx-lm's BatchGenerator, does not run the "
                            f"{family.name} backbone ({family.backbone_library}'s model); batched MTP runs it "

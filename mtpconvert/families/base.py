@@ -160,13 +160,6 @@ class Capabilities:
 
     batched: bool  # batched MTP decoding of concurrent streams (runtime.decoding.batched, bench --concurrency)
     pre_norm_hidden: bool  # the head can be fed the backbone's pre-final-norm state (--mtp-hidden pre-norm)
-    # where ``batched`` is False: the cache kind and mechanism that keep it from batching, which every refusal
-    # names (the engine's, ``bench --concurrency``'s, ``Backbone.row_cache``'s)
-    batched_blocker: str = ""
-
-    def batched_refusal(self) -> str:
-        """The end of a refusal: why the family decodes one stream at a time, where it says."""
-        return f": {self.batched_blocker}" if self.batched_blocker else ""
 
 
 @dataclass(frozen=True)

@@ -182,8 +182,8 @@ class Backbone:
 
     def row_cache(self, max_pass: int, rows: int) -> list:
         """Caches for ``rows`` rows of the batched engine, each of its own length (``runtime.decoding.rowcache``)."""
-        raise ValueError(f"batched MTP decoding does not run the {self.family.name} backbone"
-                         f"{self.family.capabilities.batched_refusal()}")
+        raise ValueError(f"batched MTP decoding does not run the {self.family.name} backbone: its adapter has no "
+                         f"per-row caches")
 
     def enable_rollback(self) -> None:
         """Give every recurrent layer its recording twin, whose pass can be undone (idempotent)."""

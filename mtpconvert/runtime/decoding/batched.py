@@ -68,7 +68,7 @@ class BatchedMTP:
     def __init__(self, m: MTPModel, depth: int = 1, hidden: str = "post-norm", keep_hook=None):
         if not m.family.capabilities.batched:
             raise ValueError(f"batched MTP does not run the {m.family.name} family ({m.family.head.forward} head): "
-                             f"it decodes one stream at a time{m.family.capabilities.batched_refusal()}")
+                             f"it decodes one stream at a time")
         prepare_speculative(m, depth, hidden)
         self.m, self.depth, self.pick = m, depth, 0 if hidden == "pre-norm" else 1
         # keep_hook(stream id, output position) -> bool: whether a greedy row's draft at that position is
