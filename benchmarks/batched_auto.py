@@ -118,8 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-logs", action="store_true",
                     help="keep every round's steps of the engine's decoders in the JSON ([B, drafted, head width, ms])")
     ap.add_argument("--settle-ms", type=float, default=0.0,
-                    help="before every timed run, keep the device busy this long (large matmuls): a launch-bound "
-                         "decode barely loads a GPU, which then runs it at whatever clock the idle gap left")
+                    help="before every timed run, keep the device busy this long (large matmuls), so no run starts "
+                         "from an idle device (on the H200 the SM clock stayed at its maximum either way)")
     ap.add_argument("--saved", type=Path, nargs="+", default=None,
                     help="print the table (labelled --label) and pooled line of saved JSON and exit")
     args = ap.parse_args(argv)

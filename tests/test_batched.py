@@ -226,6 +226,9 @@ def test_warm_up_visits_every_pass_shape(dense, depth):
         assert any(r.drafted and r.head_width <= depth + 1 for r in steps)
         assert any(r.drafted and depth + 1 < r.head_width <= batched.CATCH_UP for r in steps)  # after plain steps
         assert any(not r.drafted and r.built_next for r in steps)
+    # a row leaves while a plain step is built ahead: the rows left step plain from it, then draft
+    left = [i for i, (a, b) in enumerate(zip(log, log[1:])) if len(b.streams) == len(a.streams) - 1]
+    assert len(left) == 2 and all(log[i].built_next and log[i + 1].built_before and log[i + 2].drafted for i in left)
 
 
 def test_warm_up_reaches_every_attention_window_of_the_context(dense):

@@ -53,23 +53,33 @@ def warm_prompts(context: int) -> List[int]:
     return lengths
 
 
-def _visit(m: MTPModel, depth: int, B: int, hidden: str, prompt_tokens: int) -> BatchedMTP:
+def _visit(m: MTPModel, depth: int, B: int, hidden: str, prompt_tokens: int, leave: bool = False) -> BatchedMTP:
+    """``WARM_STEPS`` over B rows; with ``leave`` (and B > 1) a row then leaves while the next plain step is built
+    ahead, and the B - 1 rows left step plain and drafting: the gathers of the caches and of the step built ahead,
+    which no decode of B rows that all end together runs (on the H200 the first auto decode whose row left early
+    stalled 4 s at that step, once per machine)."""
     engine = _engine(m, depth, B, hidden, _keep_pattern, prompt_tokens)
     for draft, ahead in WARM_STEPS:
         engine.step(draft, ahead=ahead)
+    if leave and B > 1:
+        engine.step(False, ahead=True)
+        engine.streams[0].max_tokens = len(engine.streams[0].out)
+        engine.drop_finished()
+        engine.step(False)
+        engine.step(True)
     return engine
 
 
 def warm_up(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm", context: int = 0) -> List[StepLog]:
     """Run, once, every pass shape a batch of 1 .. ``rows`` rows meets while decoding (prefill aside) up to
     ``context`` keys (``warm_prompts``; 0: the first attention window only), rows keeping different numbers of
-    drafts (``WARM_STEPS``). The decode that follows then compiles nothing, whatever its mix of drafting and
-    plain steps and however rows leave. Returns the steps' logs."""
+    drafts (``WARM_STEPS``) and one leaving (``_visit``). The decode that follows then compiles nothing, whatever
+    its mix of drafting and plain steps and however rows leave. Returns the steps' logs."""
     log: List[StepLog] = []
     with mx.stream(decode_stream()):
         for B in range(1, rows + 1):
             for prompt_tokens in warm_prompts(context):
-                engine = _visit(m, depth, B, hidden, prompt_tokens)
+                engine = _visit(m, depth, B, hidden, prompt_tokens, leave=True)
                 mx.eval([c.state for c in engine.cache + engine.head_cache])
                 log.extend(engine.log)
     return log
@@ -85,8 +95,8 @@ def calibrate(m: MTPModel, depth: int, rows: int, hidden: str = "post-norm", ste
     cal = Calibration(depth)
     with mx.stream(decode_stream()):
         for B in sorted(set(sizes or range(1, rows + 1))):
-            for prompt_tokens in warm_prompts(context)[1:]:
-                mx.eval([c.state for c in _visit(m, depth, B, hidden, prompt_tokens).cache])
+            for prompt_tokens in warm_prompts(context):
+                mx.eval([c.state for c in _visit(m, depth, B, hidden, prompt_tokens, leave=True).cache])
             engine = _visit(m, depth, B, hidden, CATCH_UP + 1)
             timed_from = len(engine.log)
             for _ in range(2):
